@@ -1,0 +1,134 @@
+"""The precision and clipping metrics of MECHANISM.md, as additive statistics.
+
+``precision_stats`` (alpha/beta), ``clip_stats`` (region / zero-gradient, phantom /
+legit / rescued) and ``deployed_improvement_stats`` fill a ``StatSet``; ``finalize``
+turns the reduced sums into the contract's metric names. Definitions:
+
+    alpha = shadow - old          (real policy change + lag, as the generator sees it)
+    beta  = log_probs - shadow    (pure precision gap)
+    phantom: clipped under the effective ratio but not under the clean ratio exp(alpha)
+    legit:   clipped under the clean ratio and under the effective one
+    rescued: clipped under the clean ratio but not under the effective one
+"""
+
+from __future__ import annotations
+
+from typing import Dict
+
+import torch
+
+from megatron_grpo.loss.clips import outside_region
+from megatron_grpo.loss.stats import StatSet, masked_max, masked_sum
+
+COMMON_LOGPROB = -5.0
+"""Rollout log-prob above which a token is ``common``."""
+RARE_LOGPROB = -20.0
+"""Rollout log-prob at or below which a token is ``rare``; in between is ``medium``."""
+SNR_FLOOR = 1e-12
+"""Floor of mean|beta| in SNR = mean|alpha| / max(mean|beta|, floor)."""
+
+
+def precision_stats(stats: StatSet, log_probs, shadow, old, adv, mask) -> None:
+    """alpha/beta sums, beta by token rarity, and the sums for corr(beta, A)."""
+    beta = (log_probs.detach() - shadow).double()
+    alpha = (shadow - old).double()
+    adv = adv.double()
+    stats.add_sum("beta", masked_sum(beta, mask))
+    stats.add_sum("beta_abs", masked_sum(beta.abs(), mask))
+    stats.add_sum("beta_sq", masked_sum(beta * beta, mask))
+    stats.add_max("beta_abs_max", masked_max(beta.abs(), mask))
+    stats.add_sum("alpha_abs", masked_sum(alpha.abs(), mask))
+    stats.add_sum("adv", masked_sum(adv, mask))
+    stats.add_sum("adv_sq", masked_sum(adv * adv, mask))
+    stats.add_sum("adv_beta", masked_sum(adv * beta, mask))
+    buckets = {
+        "common": old > COMMON_LOGPROB,
+        "medium": (old > RARE_LOGPROB) & (old <= COMMON_LOGPROB),
+        "rare": old <= RARE_LOGPROB,
+    }
+    for name, in_bucket in buckets.items():
+        sel = mask & in_bucket
+        stats.add_sum(f"beta_abs_{name}", masked_sum(beta.abs(), sel))
+        stats.add_sum(f"n_{name}", sel.sum())
+
+
+def clip_stats(stats: StatSet, clip_variant, ratio_value, clean_ratio, adv, mask, cfg) -> None:
+    """Region and zero-gradient clip counts; phantom/legit/rescued when ``clean_ratio`` is known."""
+    region = outside_region(ratio_value, cfg)
+    zero = clip_variant.zero_grad(ratio_value, adv, cfg)
+    stats.add_sum("clip_region", (region & mask).sum())
+    stats.add_sum("clip_zero_grad", (zero & mask).sum())
+    if clean_ratio is None:
+        return
+    clean_region = outside_region(clean_ratio, cfg)
+    clean_zero = clip_variant.zero_grad(clean_ratio, adv, cfg)
+    stats.add_sum("clip_phantom_region", (region & ~clean_region & mask).sum())
+    stats.add_sum("clip_legit_region", (region & clean_region & mask).sum())
+    stats.add_sum("clip_rescued_region", (~region & clean_region & mask).sum())
+    stats.add_sum("clip_phantom_zero_grad", (zero & ~clean_zero & mask).sum())
+    stats.add_sum("clip_legit_zero_grad", (zero & clean_zero & mask).sum())
+
+
+def k3(log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
+    """Schulman's k3 estimator of KL(p || q) per token: exp(q - p) - (q - p) - 1 (>= 0)."""
+    diff = (log_q - log_p).clamp(-20.0, 20.0)
+    return torch.exp(diff) - diff - 1.0
+
+
+def deployed_improvement_stats(lp_before, lp_after, advantages, mask) -> StatSet:
+    """Stats for ``policy/deployed_improvement``: mean of (after - before) * sign(A) over valid tokens."""
+    adv = advantages.unsqueeze(-1).expand_as(lp_before) if advantages.dim() == 1 else advantages
+    stats = StatSet()
+    stats.add_sum("n_tokens", mask.sum())
+    stats.add_sum("deployed", masked_sum((lp_after - lp_before).double() * torch.sign(adv).double(), mask))
+    return stats
+
+
+def _safe_div(num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
+    return torch.where(den > 0, num / den.clamp(min=1e-300), torch.zeros_like(num))
+
+
+def finalize(sums: Dict[str, torch.Tensor], maxes: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """Reduced sums/maxima -> contract metric names (0-dim fp32 tensors, no host sync)."""
+    n = sums["n_tokens"]
+    out: Dict[str, torch.Tensor] = {}
+    if "loss" in sums:
+        out["loss/policy"] = sums["loss"]
+    simple = {
+        "policy/kl_rollout": "kl_rollout", "policy/kl_ref": "kl_ref",
+        "clip/region_fraction": "clip_region", "clip/zero_grad_fraction": "clip_zero_grad",
+        "clip/phantom_region_fraction": "clip_phantom_region", "clip/legit_region_fraction": "clip_legit_region",
+        "clip/rescued_region_fraction": "clip_rescued_region",
+        "clip/phantom_zero_grad_fraction": "clip_phantom_zero_grad",
+        "clip/legit_zero_grad_fraction": "clip_legit_zero_grad",
+        "correction/weight_mean": "correction_weight", "correction/masked_fraction": "correction_masked",
+        "policy/deployed_improvement": "deployed",
+    }
+    for metric, key in simple.items():
+        if key in sums:
+            out[metric] = _safe_div(sums[key], n)
+    if "beta" in sums:
+        out.update(_precision_metrics(sums, maxes, n))
+    return {k: v.float() for k, v in out.items()}
+
+
+def _precision_metrics(sums, maxes, n) -> Dict[str, torch.Tensor]:
+    beta_mean = _safe_div(sums["beta"], n)
+    beta_abs_mean = _safe_div(sums["beta_abs"], n)
+    beta_var = (_safe_div(sums["beta_sq"], n) - beta_mean**2).clamp(min=0.0)
+    adv_mean = _safe_div(sums["adv"], n)
+    adv_var = (_safe_div(sums["adv_sq"], n) - adv_mean**2).clamp(min=0.0)
+    cov = _safe_div(sums["adv_beta"], n) - adv_mean * beta_mean
+    alpha_abs_mean = _safe_div(sums["alpha_abs"], n)
+    out = {
+        "precision/beta_mean": beta_mean,
+        "precision/beta_abs_mean": beta_abs_mean,
+        "precision/beta_std": beta_var.sqrt(),
+        "precision/beta_abs_max": maxes["beta_abs_max"],
+        "precision/beta_adv_corr": _safe_div(cov, (beta_var * adv_var).sqrt()),
+        "precision/alpha_abs_mean": alpha_abs_mean,
+        "precision/snr": alpha_abs_mean / beta_abs_mean.clamp(min=SNR_FLOOR),
+    }
+    for name in ("common", "medium", "rare"):
+        out[f"precision/beta_abs_mean_{name}"] = _safe_div(sums[f"beta_abs_{name}"], sums[f"n_{name}"])
+    return out

@@ -1,0 +1,149 @@
+"""The GRPO policy loss: ratio source x clip variant x correction x aggregation.
+
+Rank-agnostic math. Global token/sequence counts come in as arguments (NeMo-RL's
+contract), so per-micro-batch losses summed over micro-batches and data-parallel
+ranks equal the loss of the whole global batch; the only collectives (through
+``megatron_grpo.parallel.comm``) are the count reduction when counts are not given,
+the ``detach_center`` mean, and the one metric reduction in ``policy_loss``.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Optional, Tuple
+
+import torch
+
+from megatron_grpo.loss import aggregation, clips, corrections, metrics, ratios
+from megatron_grpo.loss.config import LossConfig
+from megatron_grpo.loss.stats import StatSet, masked_sum
+from megatron_grpo.parallel import comm
+
+
+def policy_loss(
+    log_probs: torch.Tensor,
+    old_log_probs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    config: LossConfig,
+    *,
+    shadow_log_probs: Optional[torch.Tensor] = None,
+    ref_log_probs: Optional[torch.Tensor] = None,
+    num_global_tokens=None,
+    num_global_seqs=None,
+    dp_group=None,
+) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+    """GRPO loss of one (micro-)batch and its metrics reduced over ``dp_group``.
+
+    Args:
+        log_probs: ``[B, T]`` fp32 trainer log-probs of the sampled tokens (with grad).
+        old_log_probs: ``[B, T]`` generator log-probs reported at sampling time.
+        advantages: ``[B]`` per sequence or ``[B, T]`` per token.
+        mask: ``[B, T]`` bool, True at valid completion tokens.
+        config: the loss configuration.
+        shadow_log_probs: ``[B, T]`` low-precision shadow log-probs at the current weights.
+        ref_log_probs: ``[B, T]`` reference-policy log-probs (for the KL penalty).
+        num_global_tokens: valid tokens in the global batch (all micro-batches, all DP ranks);
+            None = this call's tokens summed over ``dp_group``.
+        num_global_seqs: sequences with a valid token in the global batch (seq aggregations).
+        dp_group: data-parallel group for counts and metrics; None = single process.
+
+    Returns:
+        ``(loss, metrics)``: a 0-dim loss and a dict of 0-dim fp32 tensors named as in MECHANISM.md.
+    """
+    loss, stats = policy_loss_stats(
+        log_probs, old_log_probs, advantages, mask, config, shadow_log_probs=shadow_log_probs,
+        ref_log_probs=ref_log_probs, num_global_tokens=num_global_tokens,
+        num_global_seqs=num_global_seqs, dp_group=dp_group,
+    )
+    return loss, metrics.finalize(*stats.reduce(dp_group))
+
+
+def policy_loss_stats(
+    log_probs, old_log_probs, advantages, mask, config: LossConfig, *, shadow_log_probs=None,
+    ref_log_probs=None, num_global_tokens=None, num_global_seqs=None, dp_group=None,
+) -> Tuple[torch.Tensor, StatSet]:
+    """As ``policy_loss`` but returns unreduced statistics, to merge across micro-batches."""
+    adv = validate_inputs(log_probs, old_log_probs, advantages, mask, config, shadow_log_probs, ref_log_probs)
+    num_global_tokens, num_global_seqs = _global_counts(mask, num_global_tokens, num_global_seqs, dp_group)
+    ratio = ratios.get_ratio_source(config.ratio)(log_probs, old_log_probs, shadow_log_probs)
+    clip = clips.get_clip_variant(config.clip)
+    token_mean = lambda x: _global_token_mean(x, mask, dp_group)  # noqa: E731
+    per_token = clip.loss(ratio, adv, log_probs, config, token_mean)
+    stats = StatSet()
+    stats.add_sum("n_tokens", mask.sum())
+    if config.correction is not None:
+        weights = corrections.get_correction(config.correction)(log_probs.detach() - old_log_probs, mask, config)
+        per_token = per_token * weights
+        stats.add_sum("correction_weight", masked_sum(weights, mask))
+        stats.add_sum("correction_masked", ((weights == 0) & mask).sum())
+    if ref_log_probs is not None:
+        kl_ref = metrics.k3(log_probs, ref_log_probs)
+        stats.add_sum("kl_ref", masked_sum(kl_ref.detach(), mask))
+        if config.reference_policy_kl_penalty > 0:
+            per_token = per_token + config.reference_policy_kl_penalty * kl_ref
+    agg = aggregation.AGGREGATIONS.get(config.aggregation)
+    loss = agg(per_token, mask, num_global_tokens, num_global_seqs).to(log_probs.dtype)
+    stats.add_sum("loss", loss)
+    _add_diagnostics(stats, clip, ratio.detach(), log_probs, old_log_probs, shadow_log_probs, adv, mask, config)
+    return loss, stats
+
+
+def _add_diagnostics(stats, clip, ratio_value, log_probs, old, shadow, adv, mask, config) -> None:
+    current = shadow if shadow is not None else log_probs.detach()
+    stats.add_sum("kl_rollout", masked_sum(metrics.k3(current, old), mask))
+    clean = None
+    if shadow is not None:
+        clean = torch.exp(ratios.clamp_log_ratio(shadow - old))
+        metrics.precision_stats(stats, log_probs, shadow, old, adv, mask)
+    metrics.clip_stats(stats, clip, ratio_value, clean, adv, mask, config)
+
+
+def _global_counts(mask, num_global_tokens, num_global_seqs, dp_group):
+    """Fills missing global counts by summing this call's counts over ``dp_group``."""
+    if num_global_tokens is None:
+        num_global_tokens = comm.all_reduce_sum(mask.sum().double(), dp_group)
+    if num_global_seqs is None:
+        num_global_seqs = comm.all_reduce_sum(mask.any(-1).sum().double(), dp_group)
+    return num_global_tokens, num_global_seqs
+
+
+def _global_token_mean(x: torch.Tensor, mask: torch.Tensor, dp_group) -> torch.Tensor:
+    """Mean of ``x`` over the valid tokens of this call on every rank of ``dp_group``."""
+    packed = torch.stack([masked_sum(x, mask), mask.sum().double()])
+    packed = comm.all_reduce_sum(packed, dp_group)
+    return (packed[0] / packed[1].clamp(min=1.0)).to(x.dtype)
+
+
+def validate_inputs(log_probs, old_log_probs, advantages, mask, config, shadow, ref) -> torch.Tensor:
+    """Checks shapes, dtypes and finiteness; returns advantages broadcast to ``[B, T]``."""
+    if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
+        raise ValueError(f"mask must be a bool tensor, got {getattr(mask, 'dtype', type(mask))}")
+    if log_probs.dim() != 2 or log_probs.shape != mask.shape:
+        raise ValueError(f"log_probs shape {tuple(log_probs.shape)} must be [B, T] and equal mask shape {tuple(mask.shape)}")
+    for name, t in (("old_log_probs", old_log_probs), ("shadow_log_probs", shadow), ("ref_log_probs", ref)):
+        if t is not None and t.shape != mask.shape:
+            raise ValueError(f"{name} shape {tuple(t.shape)} does not match mask shape {tuple(mask.shape)}")
+    if advantages.shape == mask.shape[:1]:
+        adv = advantages.unsqueeze(-1).expand_as(log_probs)
+    elif advantages.shape == mask.shape:
+        adv = advantages
+    else:
+        raise ValueError(f"advantages shape {tuple(advantages.shape)} must be [B]={mask.shape[0]} or [B, T]={tuple(mask.shape)}")
+    if config.reference_policy_kl_penalty > 0 and ref is None:
+        raise ValueError("loss_fn.reference_policy_kl_penalty > 0 needs ref_log_probs")
+    if config.check_finite:
+        _check_finite(mask, log_probs=log_probs, old_log_probs=old_log_probs, advantages=adv,
+                      shadow_log_probs=shadow, ref_log_probs=ref)
+    return adv.float()
+
+
+def _check_finite(mask, **tensors) -> None:
+    """One host sync: counts valid tokens and non-finite values at valid tokens per input."""
+    names = [n for n, t in tensors.items() if t is not None]
+    counts = [mask.sum()] + [(~torch.isfinite(tensors[n].detach()) & mask).sum() for n in names]
+    counts = torch.stack(counts).tolist()
+    if counts[0] == 0:
+        raise ValueError("mask has no valid tokens (empty mask)")
+    for name, bad in zip(names, counts[1:]):
+        if bad:
+            raise ValueError(f"{name} has {bad} non-finite (NaN/inf) values at valid tokens")

@@ -1,0 +1,59 @@
+"""The project's collective helpers (torchtitan's ``dist_sum``/``dist_max`` idea).
+
+Loss and metric code calls these instead of ``torch.distributed`` so that it stays
+rank-agnostic: with ``group=None`` (or an uninitialised default group) every helper is
+the identity, i.e. the single-process computation.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+
+def _active(group) -> bool:
+    return group is not None and dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
+
+
+def group_size(group=None) -> int:
+    """Number of ranks in ``group`` (1 when not distributed)."""
+    return dist.get_world_size(group) if _active(group) else 1
+
+
+def group_rank(group=None) -> int:
+    """This process's rank inside ``group`` (0 when not distributed)."""
+    return dist.get_rank(group) if _active(group) else 0
+
+
+def all_reduce_sum(tensor: torch.Tensor, group=None) -> torch.Tensor:
+    """In-place SUM all-reduce over ``group``; returns ``tensor``."""
+    if _active(group):
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
+    return tensor
+
+
+def all_reduce_max(tensor: torch.Tensor, group=None) -> torch.Tensor:
+    """In-place MAX all-reduce over ``group``; returns ``tensor``."""
+    if _active(group):
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
+    return tensor
+
+
+def all_gather_cat(tensor: torch.Tensor, dim: int, group=None) -> torch.Tensor:
+    """Concatenates equal-shaped ``tensor`` from every rank of ``group`` along ``dim``."""
+    if not _active(group):
+        return tensor
+    parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, tensor.contiguous(), group=group)
+    return torch.cat(parts, dim=dim)
+
+
+def broadcast_object(obj, src: int = 0, group: Optional[object] = None):
+    """Broadcasts a picklable object from global rank ``src``."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src, group=group)
+    return box[0]
