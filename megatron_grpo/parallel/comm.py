@@ -57,3 +57,15 @@ def broadcast_object(obj, src: int = 0, group: Optional[object] = None):
     box = [obj]
     dist.broadcast_object_list(box, src=src, group=group)
     return box[0]
+
+
+def broadcast_tensor(tensor: torch.Tensor, src_global_rank: int, group=None) -> torch.Tensor:
+    """In-place broadcast of ``tensor`` from global rank ``src_global_rank`` over ``group``."""
+    if _active(group):
+        dist.broadcast(tensor, src=src_global_rank, group=group)
+    return tensor
+
+
+def global_rank_in_group(group, group_rank_: int) -> int:
+    """Global rank of the member with rank ``group_rank_`` in ``group``."""
+    return dist.get_global_rank(group, group_rank_) if _active(group) else (dist.get_rank() if dist.is_initialized() else 0)

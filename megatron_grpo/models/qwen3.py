@@ -1,0 +1,137 @@
+"""Qwen3 / Qwen3-MoE Hugging Face configs -> Megatron-Core ``GPTModel``."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any, Dict, Optional
+
+import torch
+
+from megatron_grpo.models.spec import layer_spec
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_MODEL_TYPES = ("qwen3", "qwen3_moe")
+
+
+@dataclass
+class ModelShape:
+    """The subset of a Qwen3 HF config the builder and the weight maps need."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    ffn_hidden_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    num_experts: int = 0
+    moe_topk: int = 0
+    moe_ffn_hidden_size: int = 0
+    norm_topk_prob: bool = True
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+
+def load_hf_config(model_dir: str) -> Dict[str, Any]:
+    """Reads ``config.json`` of an HF checkpoint dir; clear error when missing."""
+    path = os.path.join(model_dir, "config.json")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"policy.model_name: no HF config at {path}")
+    with open(path) as f:
+        return json.load(f)
+
+
+def shape_from_hf(cfg: Dict[str, Any]) -> ModelShape:
+    """Extracts a ``ModelShape`` from an HF config dict (Qwen3 or Qwen3-MoE)."""
+    model_type = cfg.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"model_type {model_type!r} not supported; expected one of {SUPPORTED_MODEL_TYPES}")
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    shape = ModelShape(
+        model_type=model_type, vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
+        num_layers=cfg["num_hidden_layers"], num_heads=cfg["num_attention_heads"],
+        num_kv_heads=cfg.get("num_key_value_heads") or cfg["num_attention_heads"],
+        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"],
+        ffn_hidden_size=cfg["intermediate_size"], rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+        rope_theta=float(cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0),
+        max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+    )
+    if model_type == "qwen3_moe":
+        if cfg.get("mlp_only_layers") or cfg.get("decoder_sparse_step", 1) != 1:
+            raise ValueError("qwen3_moe with mlp_only_layers / decoder_sparse_step != 1 is not supported")
+        shape.num_experts = cfg.get("num_experts") or cfg["num_local_experts"]
+        shape.moe_topk = cfg["num_experts_per_tok"]
+        shape.moe_ffn_hidden_size = cfg["moe_intermediate_size"]
+        shape.norm_topk_prob = bool(cfg.get("norm_topk_prob", True))
+    return shape
+
+
+def transformer_config(shape: ModelShape, *, params_dtype: torch.dtype = torch.float32, tp: int = 1, pp: int = 1,
+                       ep: int = 1, etp: int = 1, router_dtype: str = "fp32", moe_aux_loss_coeff: float = 0.0,
+                       sequence_parallel: bool = False):
+    """A Megatron ``TransformerConfig`` equivalent to the HF Qwen3 architecture."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    moe: Dict[str, Any] = {}
+    if shape.is_moe:
+        moe = dict(
+            num_moe_experts=shape.num_experts, moe_router_topk=shape.moe_topk,
+            moe_ffn_hidden_size=shape.moe_ffn_hidden_size,
+            # softmax over all experts then top-k; renormalised top-k == softmax over the top-k logits
+            moe_router_pre_softmax=not shape.norm_topk_prob, moe_router_score_function="softmax",
+            moe_router_dtype=router_dtype, moe_token_dispatcher_type="allgather",
+            moe_router_load_balancing_type="aux_loss" if moe_aux_loss_coeff > 0 else "none",
+            moe_aux_loss_coeff=moe_aux_loss_coeff, moe_grouped_gemm=False,
+        )
+    return TransformerConfig(
+        num_layers=shape.num_layers, hidden_size=shape.hidden_size, num_attention_heads=shape.num_heads,
+        num_query_groups=shape.num_kv_heads, kv_channels=shape.head_dim, ffn_hidden_size=shape.ffn_hidden_size,
+        normalization="RMSNorm", layernorm_epsilon=shape.rms_norm_eps, gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu, add_bias_linear=False, add_qkv_bias=False, qk_layernorm=True,
+        hidden_dropout=0.0, attention_dropout=0.0, bias_activation_fusion=False, bias_dropout_fusion=False,
+        masked_softmax_fusion=False, persist_layer_norm=False, apply_rope_fusion=False,
+        gradient_accumulation_fusion=False, use_cpu_initialization=not torch.cuda.is_available(),
+        params_dtype=params_dtype, bf16=params_dtype == torch.bfloat16, fp16=params_dtype == torch.float16,
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=etp, sequence_parallel=sequence_parallel,
+        calculate_per_token_loss=True, init_method_std=0.02, **moe,
+    )
+
+
+def build_gpt_model(shape: ModelShape, config, *, backend: str = "auto"):
+    """Builds this rank's ``GPTModel`` stage; wraps it in ``Float16Module`` for half params."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.transformer.module import Float16Module
+
+    spec, chosen = layer_spec(shape.num_experts, backend)
+    model = GPTModel(
+        config=config, transformer_layer_spec=spec, vocab_size=shape.vocab_size,
+        max_sequence_length=shape.max_position_embeddings,
+        pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
+        share_embeddings_and_output_weights=shape.tie_word_embeddings, position_embedding_type="rope",
+        rotary_base=shape.rope_theta, rotary_percent=1.0,
+    )
+    model.megatron_grpo_backend = chosen
+    if config.bf16 or config.fp16:
+        model = Float16Module(config, model)
+    return model
+
+
+def unwrap(model):
+    """The ``GPTModel`` inside Float16Module / DDP wrappers."""
+    while hasattr(model, "module"):
+        model = model.module
+    return model

@@ -1,0 +1,101 @@
+"""Tiny random-init Qwen3 / Qwen3-MoE checkpoints with a locally trained BPE tokenizer.
+
+No hub access anywhere: the config is built in code, the weights are random
+(seeded), the tokenizer is trained with ``tokenizers`` on a synthetic corpus. The
+result loads in ``transformers`` (``AutoModelForCausalLM`` / ``AutoTokenizer``) and vLLM.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from typing import Dict
+
+EOS_TOKEN = "<|endoftext|>"
+SPECIAL_TOKENS = [EOS_TOKEN, "<|im_start|>", "<|im_end|>"]
+
+TINY_SHAPES: Dict[str, Dict] = {
+    "qwen3": dict(vocab_size=1024, hidden_size=128, intermediate_size=384, num_hidden_layers=4,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=32),
+    "qwen3-moe": dict(vocab_size=1024, hidden_size=128, intermediate_size=384, moe_intermediate_size=96,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                      num_experts=4, num_experts_per_tok=2, norm_topk_prob=True),
+}
+"""About 1.0M (dense) and 0.9M (MoE) parameters: big enough for a visible bf16 gap, small
+enough that emulated bf16 on 2 CPU cores stays fast."""
+
+_WORDS = ("the a of to and in is it you that he was for on are with as I his they be at one have this from "
+          "or had by hot word but what some we can out other were all there when up use your how said an each "
+          "she which do their time if will way about many then them write would like so these her long make "
+          "thing see him two has look more day could go come did number sound no most people my over know "
+          "water than call first who may down side been now find any new work part take get place made live "
+          "where after back little only round man year came show every good me give our under name very").split()
+
+
+def _corpus(num_lines: int, seed: int):
+    rng = random.Random(seed)
+    for _ in range(num_lines):
+        words = [rng.choice(_WORDS) for _ in range(rng.randint(4, 16))]
+        yield " ".join(words) + rng.choice([".", "?", "!", ","]) + f" {rng.randint(0, 999)}"
+
+
+def build_tokenizer(vocab_size: int, seed: int = 0):
+    """A byte-level BPE tokenizer trained locally, wrapped as ``PreTrainedTokenizerFast``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(_corpus(4000, seed), trainer=trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS_TOKEN, pad_token=EOS_TOKEN,
+                                   bos_token=None, unk_token=None, model_max_length=4096)
+
+
+def make_tiny_model(out_dir: str, arch: str = "qwen3", *, seed: int = 0, tie_word_embeddings: bool = False,
+                    overrides: Dict | None = None) -> str:
+    """Writes a tiny HF checkpoint (config, safetensors, tokenizer, generation config) to ``out_dir``."""
+    import torch
+    import transformers
+
+    if arch not in TINY_SHAPES:
+        raise ValueError(f"--arch must be one of {sorted(TINY_SHAPES)}, got {arch!r}")
+    shape = dict(TINY_SHAPES[arch], **(overrides or {}))
+    tokenizer = build_tokenizer(shape["vocab_size"], seed)
+    if len(tokenizer) > shape["vocab_size"]:
+        raise ValueError(f"tokenizer has {len(tokenizer)} tokens > vocab_size {shape['vocab_size']}")
+    eos = tokenizer.convert_tokens_to_ids(EOS_TOKEN)
+    common = dict(max_position_embeddings=512, rms_norm_eps=1e-6, rope_theta=10000.0, eos_token_id=eos,
+                  bos_token_id=eos, pad_token_id=eos, tie_word_embeddings=tie_word_embeddings,
+                  initializer_range=0.02, torch_dtype="float32")
+    if arch == "qwen3":
+        config, model_cls = transformers.Qwen3Config(**shape, **common), transformers.Qwen3ForCausalLM
+    else:
+        config, model_cls = transformers.Qwen3MoeConfig(**shape, **common), transformers.Qwen3MoeForCausalLM
+    torch.manual_seed(seed)
+    model = model_cls(config).float()
+    os.makedirs(out_dir, exist_ok=True)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    tokenizer.save_pretrained(out_dir)
+    model.generation_config.eos_token_id = eos
+    model.generation_config.save_pretrained(out_dir)
+    return out_dir
+
+
+def default_model_dir() -> str:
+    """The embedded default model (tiny dense Qwen3), made on first use under the user cache."""
+    cache = os.environ.get("MEGATRON_GRPO_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "megatron_grpo"))
+    path = os.path.join(cache, "tiny-qwen3")
+    if not os.path.isfile(os.path.join(path, "model.safetensors")):
+        tmp = path + f".tmp{os.getpid()}"
+        make_tiny_model(tmp, "qwen3")
+        os.makedirs(cache, exist_ok=True)
+        try:
+            os.replace(tmp, path)
+        except OSError:  # another process won the race; its copy is identical
+            import shutil
+
+            shutil.rmtree(tmp, ignore_errors=True)
+    return path

@@ -1,0 +1,300 @@
+"""Qwen3 weights both ways: HF safetensors <-> Megatron-Core parameters, for any TP/PP/EP.
+
+A ``ParamMap`` says, for one Megatron parameter, which HF tensors it comes from and
+how it is split across tensor-parallel ranks:
+
+- ``rep``: replicated (norms, router); ``column`` / ``vocab``: split along dim 0;
+  ``row``: split along dim 1;
+- ``qkv``: Megatron's fused QKV, rows grouped per KV group as
+  ``[q (heads/groups * d); k (d); v (d)]`` for each group, TP splits whole groups;
+- ``glu``: fused ``[gate; up]`` whose TP shard is ``[gate_shard; up_shard]`` (not a plain
+  split of the fused weight).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Callable, Dict, Iterator, List, Sequence, Tuple
+
+import torch
+
+from megatron_grpo.models.qwen3 import ModelShape, unwrap
+from megatron_grpo.parallel import comm
+
+
+@dataclass(frozen=True)
+class ParamMap:
+    """One Megatron parameter and its HF source tensors."""
+
+    mcore_name: str
+    hf_names: Tuple[str, ...]
+    kind: str
+    """rep | column | vocab | row | qkv | glu"""
+    expert: bool = False
+
+
+def _layer_maps(shape: ModelShape, layer: int, local_layer: int, backend: str, local_experts: Sequence[int]) -> List[ParamMap]:
+    hf, mc = f"model.layers.{layer}.", f"decoder.layers.{local_layer}."
+    te = backend == "te"
+    maps = [
+        ParamMap(mc + ("self_attention.linear_qkv.layer_norm_weight" if te else "input_layernorm.weight"),
+                 (hf + "input_layernorm.weight",), "rep"),
+        ParamMap(mc + "self_attention.linear_qkv.weight",
+                 tuple(hf + f"self_attn.{p}_proj.weight" for p in "qkv"), "qkv"),
+        ParamMap(mc + "self_attention.q_layernorm.weight", (hf + "self_attn.q_norm.weight",), "rep"),
+        ParamMap(mc + "self_attention.k_layernorm.weight", (hf + "self_attn.k_norm.weight",), "rep"),
+        ParamMap(mc + "self_attention.linear_proj.weight", (hf + "self_attn.o_proj.weight",), "row"),
+    ]
+    norm = "mlp.linear_fc1.layer_norm_weight" if te and not shape.is_moe else "pre_mlp_layernorm.weight"
+    maps.append(ParamMap(mc + norm, (hf + "post_attention_layernorm.weight",), "rep"))
+    if not shape.is_moe:
+        maps.append(ParamMap(mc + "mlp.linear_fc1.weight", (hf + "mlp.gate_proj.weight", hf + "mlp.up_proj.weight"), "glu"))
+        maps.append(ParamMap(mc + "mlp.linear_fc2.weight", (hf + "mlp.down_proj.weight",), "row"))
+        return maps
+    maps.append(ParamMap(mc + "mlp.router.weight", (hf + "mlp.gate.weight",), "rep"))
+    for local_e, e in enumerate(local_experts):
+        he, me = hf + f"mlp.experts.{e}.", mc + f"mlp.experts.local_experts.{local_e}."
+        maps.append(ParamMap(me + "linear_fc1.weight", (he + "gate_proj.weight", he + "up_proj.weight"), "glu", True))
+        maps.append(ParamMap(me + "linear_fc2.weight", (he + "down_proj.weight",), "row", True))
+    return maps
+
+
+@dataclass(frozen=True)
+class RankPlacement:
+    """Where this rank sits: which layers and experts it holds, and its TP/ETP coordinates."""
+
+    tp_rank: int = 0
+    tp: int = 1
+    etp_rank: int = 0
+    etp: int = 1
+    ep_rank: int = 0
+    ep: int = 1
+    layer_offset: int = 0
+    num_local_layers: int = -1
+    pre_process: bool = True
+    post_process: bool = True
+    backend: str = "local"
+
+    @classmethod
+    def current(cls, model) -> "RankPlacement":
+        """The placement of the calling rank for ``model`` (reads Megatron's parallel state)."""
+        from megatron.core import parallel_state as ps
+        from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+        gpt = unwrap(model)
+        return cls(
+            tp_rank=ps.get_tensor_model_parallel_rank(), tp=ps.get_tensor_model_parallel_world_size(),
+            etp_rank=ps.get_expert_tensor_parallel_rank(), etp=ps.get_expert_tensor_parallel_world_size(),
+            ep_rank=ps.get_expert_model_parallel_rank(), ep=ps.get_expert_model_parallel_world_size(),
+            layer_offset=get_transformer_layer_offset(gpt.config), num_local_layers=len(gpt.decoder.layers),
+            pre_process=gpt.pre_process, post_process=gpt.post_process,
+            backend=getattr(gpt, "megatron_grpo_backend", "local"),
+        )
+
+    def local_experts(self, shape: ModelShape) -> List[int]:
+        per_rank = shape.num_experts // self.ep
+        return list(range(self.ep_rank * per_rank, (self.ep_rank + 1) * per_rank))
+
+
+def param_maps(shape: ModelShape, place: RankPlacement) -> List[ParamMap]:
+    """Every parameter this rank holds, in a fixed order shared by all ranks of a stage."""
+    maps: List[ParamMap] = []
+    if place.pre_process:
+        maps.append(ParamMap("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "vocab"))
+    num_local = shape.num_layers if place.num_local_layers < 0 else place.num_local_layers
+    experts = place.local_experts(shape) if shape.is_moe else []
+    for i in range(num_local):
+        maps.extend(_layer_maps(shape, place.layer_offset + i, i, place.backend, experts))
+    if place.post_process:
+        maps.append(ParamMap("decoder.final_layernorm.weight", ("model.norm.weight",), "rep"))
+        if not shape.tie_word_embeddings:
+            maps.append(ParamMap("output_layer.weight", ("lm_head.weight",), "vocab"))
+    return maps
+
+
+# ---- splitting full HF tensors into this rank's shard -------------------------------------------------
+
+
+def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shape: ModelShape) -> torch.Tensor:
+    """HF q/k/v ``[heads*d, H]``, ``[groups*d, H]`` x2 -> Megatron fused ``[(heads+2*groups)*d, H]``."""
+    g, d = shape.num_kv_heads, shape.head_dim
+    per = shape.num_heads // g
+    parts = [q.reshape(g, per * d, -1), k.reshape(g, d, -1), v.reshape(g, d, -1)]
+    return torch.cat(parts, dim=1).reshape(-1, q.shape[-1])
+
+
+def split_qkv(fused: torch.Tensor, shape: ModelShape, num_groups: int) -> Tuple[torch.Tensor, ...]:
+    """Inverse of ``fuse_qkv`` for ``num_groups`` KV groups."""
+    d, per = shape.head_dim, shape.num_heads // shape.num_kv_heads
+    grouped = fused.reshape(num_groups, (per + 2) * d, -1)
+    q, k, v = grouped.split([per * d, d, d], dim=1)
+    return q.reshape(-1, fused.shape[-1]), k.reshape(-1, fused.shape[-1]), v.reshape(-1, fused.shape[-1])
+
+
+def shard(pm: ParamMap, full: Sequence[torch.Tensor], shape: ModelShape, rank: int, size: int) -> torch.Tensor:
+    """This rank's shard of parameter ``pm`` from its full HF tensors."""
+    if pm.kind == "rep":
+        return full[0]
+    if pm.kind in ("column", "vocab"):
+        return full[0].chunk(size, dim=0)[rank]
+    if pm.kind == "row":
+        return full[0].chunk(size, dim=1)[rank]
+    if pm.kind == "glu":
+        return torch.cat([full[0].chunk(size, dim=0)[rank], full[1].chunk(size, dim=0)[rank]], dim=0)
+    if pm.kind == "qkv":
+        return fuse_qkv(*full, shape).chunk(size, dim=0)[rank]
+    raise AssertionError(f"unknown split kind {pm.kind}")
+
+
+def unshard(pm: ParamMap, shards: Sequence[torch.Tensor], shape: ModelShape) -> List[torch.Tensor]:
+    """Full HF tensors of parameter ``pm`` from every rank's shard (inverse of ``shard``)."""
+    if pm.kind == "rep":
+        return [shards[0]]
+    if pm.kind in ("column", "vocab"):
+        return [torch.cat(list(shards), dim=0)]
+    if pm.kind == "row":
+        return [torch.cat(list(shards), dim=1)]
+    if pm.kind == "glu":
+        halves = [s.chunk(2, dim=0) for s in shards]
+        return [torch.cat([h[0] for h in halves]), torch.cat([h[1] for h in halves])]
+    if pm.kind == "qkv":
+        groups = shape.num_kv_heads // len(shards)
+        parts = [split_qkv(s, shape, groups) for s in shards]
+        return [torch.cat([p[i] for p in parts], dim=0) for i in range(3)]
+    raise AssertionError(f"unknown split kind {pm.kind}")
+
+
+# ---- HF checkpoint reading ----------------------------------------------------------------------------
+
+
+class HFCheckpoint:
+    """Lazy reader of an HF safetensors checkpoint (single file or sharded with an index)."""
+
+    def __init__(self, model_dir: str):
+        from safetensors import safe_open
+
+        self.model_dir = model_dir
+        index = os.path.join(model_dir, "model.safetensors.index.json")
+        single = os.path.join(model_dir, "model.safetensors")
+        if os.path.isfile(index):
+            with open(index) as f:
+                weight_map = json.load(f)["weight_map"]
+        elif os.path.isfile(single):
+            weight_map = None
+        else:
+            raise FileNotFoundError(f"policy.model_name: no model.safetensors(.index.json) in {model_dir}")
+        self._handles = {}
+        files = sorted(set(weight_map.values())) if weight_map else ["model.safetensors"]
+        self.location: Dict[str, str] = {}
+        for name in files:
+            path = os.path.join(model_dir, name)
+            try:
+                handle = safe_open(path, framework="pt")
+            except Exception as exc:  # noqa: BLE001 - safetensors raises several types
+                raise ValueError(f"cannot read checkpoint file {path}: {exc}") from exc
+            self._handles[name] = handle
+            for key in handle.keys():
+                self.location[key] = name
+
+    def get(self, name: str) -> torch.Tensor:
+        if name not in self.location:
+            raise KeyError(f"tensor {name!r} not found in checkpoint {self.model_dir}")
+        file = self.location[name]
+        try:
+            return self._handles[file].get_tensor(name)
+        except Exception as exc:  # noqa: BLE001
+            raise ValueError(f"cannot read tensor {name!r} from {os.path.join(self.model_dir, file)}: {exc}") from exc
+
+
+def load_hf_weights(model, model_dir: str, shape: ModelShape) -> None:
+    """Copies an HF checkpoint into this rank's Megatron parameters (every param must be covered)."""
+    ckpt = HFCheckpoint(model_dir)
+    place = RankPlacement.current(model)
+    params = dict(unwrap(model).named_parameters())
+    maps = param_maps(shape, place)
+    unmapped = set(params) - {pm.mcore_name for pm in maps}
+    if unmapped:
+        raise AssertionError(f"Megatron parameters without an HF source: {sorted(unmapped)[:5]}")
+    with torch.no_grad():
+        for pm in maps:
+            full = [_get_hf(ckpt, name, shape) for name in pm.hf_names]
+            rank, size = (place.etp_rank, place.etp) if pm.expert else (place.tp_rank, place.tp)
+            try:
+                local = shard(pm, full, shape, rank, size)
+            except RuntimeError as exc:
+                raise ValueError(f"{model_dir}: tensors {pm.hf_names} have unexpected shapes "
+                                 f"{[tuple(t.shape) for t in full]}: {exc}") from exc
+            param = params[pm.mcore_name]
+            if local.shape != param.shape:
+                raise ValueError(f"{model_dir}: tensor {pm.hf_names[0]!r} has shape {tuple(full[0].shape)}, which gives "
+                                 f"{tuple(local.shape)} for Megatron's {pm.mcore_name} {tuple(param.shape)}")
+            param.copy_(local.to(param.dtype))
+
+
+def _get_hf(ckpt: HFCheckpoint, name: str, shape: ModelShape) -> torch.Tensor:
+    if name == "lm_head.weight" and name not in ckpt.location and shape.tie_word_embeddings:
+        name = "model.embed_tokens.weight"
+    try:
+        return ckpt.get(name)
+    except KeyError as exc:
+        raise ValueError(f"checkpoint {ckpt.model_dir}: missing tensor {name!r}") from exc
+
+
+# ---- Megatron -> HF (gathering shards) ----------------------------------------------------------------
+
+
+def export_hf_tensors(model, shape: ModelShape, *, include_tied_lm_head: bool = True) -> Iterator[Tuple[str, torch.Tensor]]:
+    """Yields full HF-named tensors of the whole model, on every rank (collective over TP/EP/PP).
+
+    One parameter (or one layer's experts) is gathered at a time, so at most one layer's
+    worth of full tensors exists beyond the model itself.
+    """
+    from megatron.core import parallel_state as ps
+
+    place = RankPlacement.current(model)
+    params = dict(unwrap(model).named_parameters())
+    tp_group, etp_group = ps.get_tensor_model_parallel_group(), ps.get_expert_tensor_parallel_group()
+    ep_group = ps.get_expert_model_parallel_group()
+    for pm in _export_order(shape, place):
+        local = params[pm.mcore_name].detach()
+        if pm.expert:
+            yield from _export_expert(pm, local, shape, place, etp_group, ep_group)
+            continue
+        shards = [local] if pm.kind == "rep" else _gather_shards(local, tp_group)
+        for name, tensor in zip(pm.hf_names, unshard(pm, shards, shape)):
+            yield name, tensor
+            if name == "model.embed_tokens.weight" and shape.tie_word_embeddings and include_tied_lm_head:
+                yield "lm_head.weight", tensor
+
+
+def _export_order(shape: ModelShape, place: RankPlacement) -> List[ParamMap]:
+    if not (place.pre_process and place.post_process):
+        raise NotImplementedError("export with pipeline parallelism > 1 is not implemented yet")
+    return param_maps(shape, place)
+
+
+def _gather_shards(local: torch.Tensor, group) -> List[torch.Tensor]:
+    size = comm.group_size(group)
+    if size == 1:
+        return [local]
+    return list(comm.all_gather_cat(local.unsqueeze(0), 0, group).unbind(0))
+
+
+def _export_expert(pm: ParamMap, local, shape, place, etp_group, ep_group):
+    """Gathers one local expert's shards over ETP, then the same local slot over EP."""
+    shards = _gather_shards(local, etp_group)
+    full = unshard(pm, shards, shape)
+    local_e = int(pm.mcore_name.split("local_experts.")[1].split(".")[0])
+    per_rank = shape.num_experts // place.ep
+    for i, tensor in enumerate(full):
+        gathered = _gather_shards(tensor, ep_group)
+        for ep_rank, t in enumerate(gathered):
+            e = ep_rank * per_rank + local_e
+            yield _rename_expert(pm.hf_names[i], e), t
+
+
+def _rename_expert(hf_name: str, expert: int) -> str:
+    head, tail = hf_name.split("mlp.experts.")
+    return f"{head}mlp.experts.{expert}.{tail.split('.', 1)[1]}"

@@ -1,0 +1,196 @@
+"""Makes Megatron-Core 0.16.1 run on a CPU-only torch build with gloo.
+
+Every CUDA-only spot we hit is bypassed here and nowhere else; ``install()`` is a
+no-op when CUDA is available. The spots (see ../shared/ENVIRONMENT.md):
+
+- ``torch.cuda.current_device()`` used as a ``device=`` argument (~40 call sites)
+  -> returns ``"cpu"``; ``torch.cuda.synchronize`` / ``Stream`` / ``Event`` -> no-ops;
+- the default causal mask built with ``device="cuda"`` -> a CPU copy of the function;
+- the CUDA RNG-states tracker -> ``CPURNGStatesTracker`` (same interface, CPU
+  generator states, one independent stream per name so TP ranks get distinct dropout);
+- ``custom_fwd/custom_bwd(device_type="cuda")`` around the TP linear autograd
+  functions -> rewrapped for ``device_type="cpu"`` so bf16/fp16 autocast backward works;
+- MoE router's module-level ``te_general_gemm`` missing without TE -> set to None.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import os
+
+import torch
+
+logger = logging.getLogger(__name__)
+_INSTALLED = False
+
+
+def cuda_available() -> bool:
+    """True when a CUDA device can be used (then none of the shims is installed)."""
+    return torch.cuda.is_available()
+
+
+def install() -> None:
+    """Installs every shim once; no-op on a CUDA machine."""
+    global _INSTALLED
+    if _INSTALLED or cuda_available():
+        return
+    _patch_torch_cuda()
+    _patch_megatron()
+    _INSTALLED = True
+    logger.debug("megatron_grpo.parallel.cpu: CPU shims installed")
+
+
+class _NullStream:
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, *args, **kwargs):
+        pass
+
+    def synchronize(self):
+        pass
+
+    def record_event(self, *args, **kwargs):
+        return _NullEvent()
+
+
+class _NullEvent(_NullStream):
+    def record(self, *args, **kwargs):
+        pass
+
+    def wait(self, *args, **kwargs):
+        pass
+
+    def query(self):
+        return True
+
+    def elapsed_time(self, other):
+        return 0.0
+
+
+def _patch_torch_cuda() -> None:
+    torch.cuda.current_device = lambda: "cpu"
+    torch.cuda.synchronize = lambda *a, **k: None
+    torch.cuda.Stream = _NullStream
+    torch.cuda.Event = _NullEvent
+    torch.cuda.current_stream = lambda *a, **k: _NullStream()
+    torch.cuda.stream = lambda *a, **k: contextlib.nullcontext()
+    torch.cuda.manual_seed = lambda seed: None
+    torch.cuda.manual_seed_all = lambda seed: None
+
+
+def _patch_megatron() -> None:
+    from megatron.core.fusions import fused_softmax
+    from megatron.core.tensor_parallel import layers, random
+    from megatron.core.transformer import utils as transformer_utils
+
+    fused_softmax.get_default_causal_mask = _cpu_causal_mask
+    transformer_utils.get_default_causal_mask = _cpu_causal_mask
+    _rewrap_autocast(layers)
+    random._CUDA_RNG_STATE_TRACKER = _TRACKER
+    random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+    _patch_router()
+
+
+@functools.lru_cache(maxsize=32)
+def _cpu_causal_mask(sq: int) -> torch.Tensor:
+    """``[sq, sq]`` bool, True above the diagonal (masked), as Megatron's but on CPU."""
+    return torch.triu(torch.ones(sq, sq, dtype=torch.bool), diagonal=1)
+
+
+def _rewrap_autocast(layers_module) -> None:
+    """Re-decorates the TP linear autograd functions with ``device_type="cpu"``."""
+    for cls_name in ("LinearWithFrozenWeight", "LinearWithGradAccumulationAndAsyncCommunication"):
+        cls = getattr(layers_module, cls_name, None)
+        if cls is None:
+            continue
+        fwd = cls.__dict__["forward"].__func__
+        bwd = cls.__dict__["backward"].__func__
+        cls.forward = staticmethod(torch.amp.custom_fwd(getattr(fwd, "__wrapped__", fwd), device_type="cpu"))
+        cls.backward = staticmethod(torch.amp.custom_bwd(getattr(bwd, "__wrapped__", bwd), device_type="cpu"))
+
+
+def _patch_router() -> None:
+    import importlib
+
+    for name in ("megatron.core.transformer.moe.router", "megatron.core.transformer.moe.moe_utils"):
+        try:
+            module = importlib.import_module(name)
+        except Exception:  # noqa: BLE001 - optional module
+            continue
+        if not hasattr(module, "te_general_gemm"):
+            module.te_general_gemm = None
+
+
+class CPURNGStatesTracker:
+    """CPU stand-in for Megatron's ``CudaRNGStatesTracker`` (``add``/``fork``/states)."""
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self):
+        self.states_ = {}
+        self.seeds_ = set()
+        self._is_initialized = False
+
+    def is_initialized(self):
+        return self._is_initialized
+
+    def get_states(self):
+        return {name: state.clone() for name, state in self.states_.items()}
+
+    def set_states(self, states):
+        self._is_initialized = True
+        self.states_ = {name: state.clone() for name, state in states.items()}
+
+    def add(self, name, seed):
+        if seed in self.seeds_:
+            raise Exception(f"seed {seed} already exists")
+        if name in self.states_:
+            raise Exception(f"rng state {name} already exists")
+        self._is_initialized = True
+        self.seeds_.add(seed)
+        gen = torch.Generator()
+        gen.manual_seed(seed)
+        self.states_[name] = gen.get_state()
+
+    @contextlib.contextmanager
+    def fork(self, name="model-parallel-rng"):
+        if name not in self.states_:
+            raise Exception(f"rng state {name} is not added")
+        outer = torch.get_rng_state()
+        torch.set_rng_state(self.states_[name])
+        try:
+            yield
+        finally:
+            self.states_[name] = torch.get_rng_state()
+            torch.set_rng_state(outer)
+
+
+_TRACKER = CPURNGStatesTracker()
+
+
+def model_parallel_seed(seed: int) -> None:
+    """Seeds torch and Megatron's named RNG streams as ``model_parallel_cuda_manual_seed`` does."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import random
+
+    torch.manual_seed(seed)
+    if cuda_available():
+        random.model_parallel_cuda_manual_seed(seed)
+        return
+    tp_rank, ep_rank = ps.get_tensor_model_parallel_rank(), ps.get_expert_model_parallel_rank()
+    etp_rank = ps.get_expert_tensor_parallel_rank()
+    _TRACKER.reset()
+    _TRACKER.add(random._DATA_PARALLEL_RNG_TRACKER_NAME, seed)
+    _TRACKER.add(random._MODEL_PARALLEL_RNG_TRACKER_NAME, seed + 2718 + tp_rank)
+    _TRACKER.add(random._EXPERT_PARALLEL_RNG_TRACKER_NAME, seed + 1024 + 100 * ep_rank + etp_rank)
+    random._CUDA_RNG_STATE_TRACKER = _TRACKER
+    random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+
+
+def default_backend() -> str:
+    """``nccl`` with CUDA, else ``gloo``; ``MEGATRON_GRPO_DIST_BACKEND`` overrides."""
+    return os.environ.get("MEGATRON_GRPO_DIST_BACKEND") or ("nccl" if cuda_available() else "gloo")
