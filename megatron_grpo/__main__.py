@@ -1,0 +1,3 @@
+from megatron_grpo.cli import main
+import sys
+sys.exit(main())

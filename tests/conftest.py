@@ -1,0 +1,36 @@
+import os
+
+import pytest
+
+os.environ.setdefault("OMP_NUM_THREADS", "2")
+
+
+@pytest.fixture(scope="session")
+def tiny_dense(tmp_path_factory):
+    from megatron_grpo.models.tiny import make_tiny_model
+
+    return make_tiny_model(str(tmp_path_factory.mktemp("models") / "tiny-qwen3"), "qwen3")
+
+
+@pytest.fixture(scope="session")
+def tiny_moe(tmp_path_factory):
+    from megatron_grpo.models.tiny import make_tiny_model
+
+    return make_tiny_model(str(tmp_path_factory.mktemp("models") / "tiny-qwen3-moe"), "qwen3-moe")
+
+
+@pytest.fixture(scope="session")
+def tiny_tied(tmp_path_factory):
+    from megatron_grpo.models.tiny import make_tiny_model
+
+    return make_tiny_model(str(tmp_path_factory.mktemp("models") / "tiny-qwen3-tied"), "qwen3",
+                           tie_word_embeddings=True, overrides=dict(num_hidden_layers=2))
+
+
+@pytest.fixture(scope="session")
+def megatron_single():
+    """Initialises a 1-rank gloo world + Megatron parallel state once for the session."""
+    from megatron_grpo.parallel import state
+
+    state.initialize_model_parallel(state.Layout(world_size=1))
+    yield

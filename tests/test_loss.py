@@ -1,0 +1,337 @@
+"""The GRPO policy loss and its metrics against plain reference formulas."""
+
+import math
+
+import pytest
+import torch
+
+from megatron_grpo.loss import (CLIP_VARIANTS, RATIO_SOURCES, LossConfig, StatSet, finalize, grpo_advantages,
+                                policy_loss, policy_loss_stats)
+from megatron_grpo.registry import Registry
+from tests._dist import run_distributed
+
+B, T = 6, 9
+
+
+def _batch(seed=0, beta_scale=0.3, alpha_scale=0.1):
+    g = torch.Generator().manual_seed(seed)
+    old = -torch.rand(B, T, generator=g) * 30  # rollout log-probs spanning common/medium/rare
+    shadow = old + alpha_scale * torch.randn(B, T, generator=g)
+    log_probs = shadow + beta_scale * torch.randn(B, T, generator=g)
+    adv = torch.randn(B, generator=g)
+    mask = torch.rand(B, T, generator=g) > 0.25
+    mask[:, 0] = True
+    ref = log_probs + 0.05 * torch.randn(B, T, generator=g)
+    return log_probs, old, shadow, adv, mask, ref
+
+
+def _ref_per_token(lp, old, shadow, adv, cfg):
+    """Plain formulas from the issue text."""
+    a = adv[:, None].expand_as(lp)
+    if cfg.ratio == "train":
+        r = torch.exp(lp - old)
+    elif cfg.ratio == "shadow":
+        r = torch.exp(shadow - old) * torch.exp(lp - lp.detach())
+    else:
+        r = torch.exp(lp - lp.detach())
+    clipped = torch.clamp(r, 1 - cfg.ratio_clip_min, 1 + cfg.ratio_clip_max)
+    if cfg.clip == "ppo":
+        return -torch.min(r * a, clipped * a)
+    if cfg.clip == "none":
+        return -r * a
+    w = torch.min(r * a, clipped * a).detach()
+    return -w * lp, w
+
+
+def _ref_loss(lp, old, shadow, adv, mask, cfg):
+    out = _ref_per_token(lp, old, shadow, adv, cfg)
+    if cfg.clip in ("detach", "detach_center"):
+        per_tok, w = out
+        if cfg.clip == "detach_center":
+            per_tok = -(w - w[mask].mean()) * lp
+    else:
+        per_tok = out
+    return per_tok[mask].sum() / mask.sum()
+
+
+@pytest.mark.parametrize("ratio", ["train", "shadow", "one"])
+@pytest.mark.parametrize("clip", ["ppo", "none", "detach", "detach_center"])
+def test_loss_value_and_gradient_match_reference(ratio, clip):
+    lp, old, shadow, adv, mask, _ = _batch()
+    cfg = LossConfig(ratio=ratio, clip=clip)
+    ours_lp = lp.clone().requires_grad_(True)
+    ref_lp = lp.clone().requires_grad_(True)
+    loss, metrics = policy_loss(ours_lp, old, adv, mask, cfg, shadow_log_probs=shadow)
+    ref = _ref_loss(ref_lp, old, shadow, adv, mask, cfg)
+    torch.testing.assert_close(loss, ref, atol=1e-6, rtol=1e-6)
+    loss.backward()
+    ref.backward()
+    torch.testing.assert_close(ours_lp.grad, ref_lp.grad, atol=1e-7, rtol=1e-5)
+    torch.testing.assert_close(metrics["loss/policy"], ref.detach(), atol=1e-6, rtol=1e-6)
+
+
+def test_ratio_values():
+    from megatron_grpo.loss.ratios import one_ratio, shadow_ratio, train_ratio
+
+    lp, old, shadow, *_ = _batch()
+    torch.testing.assert_close(train_ratio(lp, old, shadow), torch.exp(lp - old))
+    torch.testing.assert_close(shadow_ratio(lp, old, shadow), torch.exp(shadow - old))
+    assert torch.equal(one_ratio(lp, old, shadow), torch.ones_like(lp))
+
+
+@pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"])
+def test_aggregations(aggregation):
+    lp, old, shadow, adv, mask, _ = _batch()
+    cfg = LossConfig(ratio="train", clip="none", aggregation=aggregation)
+    loss, _ = policy_loss(lp, old, adv, mask, cfg)
+    per_tok = -torch.exp(lp - old) * adv[:, None]
+    per_seq_sum = (per_tok * mask).sum(-1)
+    expected = {
+        "token_mean": per_seq_sum.sum() / mask.sum(),
+        "seq_mean_token_mean": (per_seq_sum / mask.sum(-1)).mean(),
+        "seq_mean_token_sum": per_seq_sum.mean(),
+    }[aggregation]
+    torch.testing.assert_close(loss, expected, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("correction", ["tis", "icepop", "seq_mask_tis"])
+def test_corrections_multiply_per_token_losses(correction):
+    lp, old, shadow, adv, mask, _ = _batch(beta_scale=0.5)
+    cfg = LossConfig(ratio="train", clip="none", correction=correction, tis_cap=1.5, icepop_low=0.7,
+                     icepop_high=1.3, seq_mask_low=0.8, seq_mask_high=1.25)
+    loss, metrics = policy_loss(lp, old, adv, mask, cfg)
+    r = torch.exp(lp - old)
+    if correction == "tis":
+        w = r.clamp(max=1.5)
+    elif correction == "icepop":
+        w = ((r >= 0.7) & (r <= 1.3)).float()
+    else:
+        geo = torch.exp(((lp - old) * mask).sum(-1) / mask.sum(-1))
+        keep = ((geo >= 0.8) & (geo <= 1.25)).float()
+        w = keep[:, None] * r.clamp(max=1.5)
+    per_tok = -r * adv[:, None] * w
+    torch.testing.assert_close(loss, per_tok[mask].sum() / mask.sum(), atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(metrics["correction/weight_mean"], w[mask].mean(), atol=1e-6, rtol=1e-6)
+    if correction != "tis":
+        assert metrics["correction/masked_fraction"] > 0
+
+
+def test_kl_penalty_k3():
+    lp, old, shadow, adv, mask, ref = _batch()
+    cfg0 = LossConfig(ratio="train", clip="none")
+    cfg = LossConfig(ratio="train", clip="none", reference_policy_kl_penalty=0.1)
+    base, _ = policy_loss(lp, old, adv, mask, cfg0, ref_log_probs=ref)
+    loss, metrics = policy_loss(lp, old, adv, mask, cfg, ref_log_probs=ref)
+    k3 = torch.exp(ref - lp) - (ref - lp) - 1
+    torch.testing.assert_close(loss, base + 0.1 * k3[mask].mean(), atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(metrics["policy/kl_ref"], k3[mask].mean(), atol=1e-6, rtol=1e-6)
+    with pytest.raises(ValueError, match="ref_log_probs"):
+        policy_loss(lp, old, adv, mask, cfg)
+
+
+def _np_metrics(lp, old, shadow, adv, mask, eps_lo=0.2, eps_hi=0.2):
+    """Reference for every precision/clip metric, token by token in plain Python."""
+    toks = [(lp[i, j].item(), old[i, j].item(), shadow[i, j].item(), adv[i].item())
+            for i in range(lp.shape[0]) for j in range(lp.shape[1]) if mask[i, j]]
+    n = len(toks)
+    beta = [a - s for a, _, s, _ in toks]
+    alpha = [s - o for _, o, s, _ in toks]
+    advs = [t[3] for t in toks]
+    mean = lambda xs: sum(xs) / len(xs) if xs else 0.0  # noqa: E731
+    bm, am = mean(beta), mean(advs)
+    bstd = math.sqrt(mean([(b - bm) ** 2 for b in beta]))
+    astd = math.sqrt(mean([(a - am) ** 2 for a in advs]))
+    out_region = lambda r: r < 1 - eps_lo or r > 1 + eps_hi  # noqa: E731
+    zero = lambda r, a: (a > 0 and r > 1 + eps_hi) or (a < 0 and r < 1 - eps_lo)  # noqa: E731
+    act = [math.exp(a + b) for a, b in zip(alpha, beta)]
+    clean = [math.exp(a) for a in alpha]
+    olds = [t[1] for t in toks]
+    return {
+        "precision/beta_mean": bm,
+        "precision/beta_abs_mean": mean([abs(b) for b in beta]),
+        "precision/beta_std": bstd,
+        "precision/beta_abs_max": max(abs(b) for b in beta),
+        "precision/beta_adv_corr": mean([(b - bm) * (a - am) for b, a in zip(beta, advs)]) / (bstd * astd),
+        "precision/beta_abs_mean_common": mean([abs(b) for b, o in zip(beta, olds) if o > -5]),
+        "precision/beta_abs_mean_medium": mean([abs(b) for b, o in zip(beta, olds) if -20 < o <= -5]),
+        "precision/beta_abs_mean_rare": mean([abs(b) for b, o in zip(beta, olds) if o <= -20]),
+        "precision/alpha_abs_mean": mean([abs(a) for a in alpha]),
+        "precision/snr": mean([abs(a) for a in alpha]) / max(mean([abs(b) for b in beta]), 1e-12),
+        "clip/region_fraction": sum(out_region(r) for r in act) / n,
+        "clip/phantom_region_fraction": sum(out_region(r) and not out_region(c) for r, c in zip(act, clean)) / n,
+        "clip/legit_region_fraction": sum(out_region(r) and out_region(c) for r, c in zip(act, clean)) / n,
+        "clip/rescued_region_fraction": sum(not out_region(r) and out_region(c) for r, c in zip(act, clean)) / n,
+        "clip/zero_grad_fraction": sum(zero(r, a) for r, a in zip(act, advs)) / n,
+        "clip/phantom_zero_grad_fraction": sum(zero(r, a) and not zero(c, a) for r, c, a in zip(act, clean, advs)) / n,
+        "clip/legit_zero_grad_fraction": sum(zero(r, a) and zero(c, a) for r, c, a in zip(act, clean, advs)) / n,
+        "policy/kl_rollout": mean([math.exp(o - s) - (o - s) - 1 for _, o, s, _ in toks]),
+    }
+
+
+def test_precision_and_clip_metrics_match_reference():
+    lp, old, shadow, adv, mask, _ = _batch(beta_scale=0.3, alpha_scale=0.15)
+    _, metrics = policy_loss(lp, old, adv, mask, LossConfig(), shadow_log_probs=shadow)
+    expected = _np_metrics(lp, old, shadow, adv, mask)
+    for name, value in expected.items():
+        assert metrics[name].item() == pytest.approx(value, abs=1e-5), name
+    assert expected["clip/phantom_region_fraction"] > 0 and expected["clip/rescued_region_fraction"] > 0
+    assert expected["clip/legit_region_fraction"] > 0
+
+
+def test_without_shadow_only_actual_metrics():
+    lp, old, _, adv, mask, _ = _batch()
+    _, metrics = policy_loss(lp, old, adv, mask, LossConfig())
+    assert "clip/region_fraction" in metrics and "clip/zero_grad_fraction" in metrics
+    assert not any(k.startswith("precision/") or "phantom" in k for k in metrics)
+
+
+def test_beta_zero_when_trainer_equals_shadow():
+    lp, old, _, adv, mask, _ = _batch()
+    _, metrics = policy_loss(lp, old, adv, mask, LossConfig(), shadow_log_probs=lp.clone())
+    assert metrics["precision/beta_abs_mean"].item() == 0.0
+    assert metrics["clip/phantom_region_fraction"].item() == 0.0
+
+
+def test_shadow_ratio_removes_phantom_clipping():
+    lp, old, shadow, adv, mask, _ = _batch(beta_scale=0.4, alpha_scale=0.05)
+    _, train = policy_loss(lp, old, adv, mask, LossConfig(ratio="train"), shadow_log_probs=shadow)
+    _, fixed = policy_loss(lp, old, adv, mask, LossConfig(ratio="shadow"), shadow_log_probs=shadow)
+    assert train["clip/phantom_zero_grad_fraction"] > 0.05
+    assert fixed["clip/phantom_zero_grad_fraction"] == 0 and fixed["clip/phantom_region_fraction"] == 0
+
+
+@pytest.mark.parametrize("ratio", ["train", "shadow"])
+def test_zero_grad_fraction_equals_autograd_zero_gradients(ratio):
+    lp, old, shadow, adv, mask, _ = _batch(beta_scale=0.4, alpha_scale=0.3)
+    leaf = lp.clone().requires_grad_(True)
+    loss, metrics = policy_loss(leaf, old, adv, mask, LossConfig(ratio=ratio), shadow_log_probs=shadow)
+    loss.backward()
+    zero = ((leaf.grad == 0) & mask).sum().item() / mask.sum().item()
+    assert zero > 0
+    assert metrics["clip/zero_grad_fraction"].item() == pytest.approx(zero, abs=1e-7)
+
+
+def test_deployed_improvement_stats():
+    from megatron_grpo.loss import deployed_improvement_stats
+
+    lp, old, _, adv, mask, _ = _batch()
+    after = lp + 0.01 * torch.sign(adv)[:, None]
+    metrics = finalize(*deployed_improvement_stats(lp, after, adv, mask).reduce(None))
+    assert metrics["policy/deployed_improvement"].item() == pytest.approx(0.01, abs=1e-6)
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(mask="float"), "mask must be a bool"),
+    (dict(old_log_probs="short"), "old_log_probs shape"),
+    (dict(advantages="wrong"), "advantages shape"),
+    (dict(log_probs="nan"), "log_probs has 2 non-finite"),
+    (dict(mask="empty"), "empty mask"),
+])
+def test_bad_inputs_name_the_argument(bad, match):
+    lp, old, shadow, adv, mask, _ = _batch()
+    if bad.get("mask") == "float":
+        mask = mask.float()
+    if bad.get("mask") == "empty":
+        mask = torch.zeros_like(mask)
+    if "old_log_probs" in bad:
+        old = old[:, :-1]
+    if "advantages" in bad:
+        adv = adv[:-1]
+    if "log_probs" in bad:
+        lp = lp.clone()
+        lp[0, 0] = float("nan")
+        lp[1, 0] = float("inf")
+    with pytest.raises(ValueError, match=match):
+        policy_loss(lp, old, adv, mask, LossConfig(), shadow_log_probs=shadow)
+
+
+def test_config_validation_names_the_key():
+    with pytest.raises(ValueError, match=r"loss_fn.ratio.*valid choices: one, shadow, train"):
+        LossConfig(ratio="bogus")
+    with pytest.raises(ValueError, match="loss_fn.clip"):
+        LossConfig(clip="bogus")
+    with pytest.raises(ValueError, match="loss_fn.correction"):
+        LossConfig(correction="bogus")
+    with pytest.raises(ValueError, match="loss_fn.ratio_clip_min"):
+        LossConfig(ratio_clip_min=1.5)
+
+
+def test_registries_refuse_duplicates_and_list_names():
+    with pytest.raises(ValueError, match="already registered"):
+        RATIO_SOURCES.register("train")(lambda *a: None)
+    with pytest.raises(ValueError, match="valid choices: detach, detach_center, none, ppo"):
+        CLIP_VARIANTS.get("nope")
+    reg = Registry("thing")
+    reg.add("lazy", "math:sqrt")
+    assert reg.get("lazy")(4.0) == 2.0
+    reg.add("broken", "no_such_module_xyz:f")
+    with pytest.raises(ValueError, match="no_such_module_xyz"):
+        reg.get("broken")
+
+
+def test_user_ratio_source_plugs_in_without_editing_the_loss():
+    name = "half_beta_test"
+    if name not in RATIO_SOURCES:
+        @RATIO_SOURCES.register(name)
+        def half_beta(log_probs, old_log_probs, shadow_log_probs):
+            mid = 0.5 * (log_probs.detach() + shadow_log_probs)
+            return torch.exp(mid - old_log_probs) * torch.exp(log_probs - log_probs.detach())
+    lp, old, shadow, adv, mask, _ = _batch()
+    loss, _ = policy_loss(lp, old, adv, mask, LossConfig(ratio=name, clip="none"), shadow_log_probs=shadow)
+    expected = -(torch.exp(0.5 * (lp + shadow) - old) * adv[:, None])[mask].mean()
+    torch.testing.assert_close(loss, expected, atol=1e-6, rtol=1e-6)
+
+
+def test_grpo_advantages():
+    rewards = torch.tensor([1.0, 2.0, 3.0, 5.0, 5.0, 5.0])
+    adv = grpo_advantages(rewards, 3)
+    torch.testing.assert_close(adv[:3], torch.tensor([-1.0, 0.0, 1.0]), atol=1e-5, rtol=0)
+    assert torch.equal(adv[3:], torch.zeros(3))
+    torch.testing.assert_close(grpo_advantages(rewards, 3, scale="none")[:3], torch.tensor([-1.0, 0.0, 1.0]))
+    with pytest.raises(ValueError, match="group_size"):
+        grpo_advantages(rewards, 4)
+
+
+# ---- data parallel + micro-batches == one process ---------------------------------------------------
+
+CONFIGS = [LossConfig(), LossConfig(ratio="shadow", aggregation="seq_mean_token_mean"),
+           LossConfig(clip="none", correction="icepop", icepop_low=0.8, icepop_high=1.2)]
+
+
+def _dp_worker(cfg_index):
+    import torch.distributed as dist
+
+    from megatron_grpo.parallel import state
+
+    state.init_distributed()
+    rank = dist.get_rank()
+    lp, old, shadow, adv, mask, _ = _batch(seed=4)
+    mine = slice(rank * B // 2, (rank + 1) * B // 2)
+    rows = [slice(0, 1), slice(1, 3)]
+    local = [t[mine] for t in (lp, old, shadow, adv, mask)]
+    # global counts come from the whole batch (the trainer computes them once per step)
+    leaf = local[0].clone().requires_grad_(True)
+    stats = StatSet()
+    n_tok, n_seq = mask.sum().double(), mask.any(-1).sum().double()
+    for sl in rows:
+        loss, s = policy_loss_stats(leaf[sl], local[1][sl], local[3][sl], local[4][sl], CONFIGS[cfg_index],
+                                    shadow_log_probs=local[2][sl], num_global_tokens=n_tok, num_global_seqs=n_seq,
+                                    dp_group=dist.group.WORLD)
+        loss.backward()
+        stats.merge(s)
+    return leaf.grad, finalize(*stats.reduce(dist.group.WORLD))
+
+
+@pytest.mark.parametrize("cfg_index", range(len(CONFIGS)))
+def test_dp2_microbatches_match_single_process(cfg_index):
+    lp, old, shadow, adv, mask, _ = _batch(seed=4)
+    leaf = lp.clone().requires_grad_(True)
+    loss, single = policy_loss(leaf, old, adv, mask, CONFIGS[cfg_index], shadow_log_probs=shadow)
+    loss.backward()
+    results = run_distributed(_dp_worker, 2, cfg_index)
+    grad = torch.cat([g for g, _ in results], dim=0)
+    torch.testing.assert_close(grad, leaf.grad, atol=1e-6, rtol=1e-6)
+    for _, metrics in results:
+        assert set(metrics) == set(single)
+        for name in single:
+            assert metrics[name].item() == pytest.approx(single[name].item(), abs=1e-6), name

@@ -1,0 +1,33 @@
+"""Parallel layout validation (errors name the key) and model-parallel initialisation."""
+
+import pytest
+
+from megatron_grpo.parallel.state import Layout, validate_layout
+
+
+@pytest.mark.parametrize("layout, kwargs, key", [
+    (Layout(world_size=4, tp=3), {}, "tensor"),
+    (Layout(world_size=2, tp=1, ep=4), {}, "expert"),
+    (Layout(world_size=2, pp=2), {"num_layers": 3}, "pipeline_model_parallel_size"),
+    (Layout(world_size=2, ep=2), {"num_experts": 3}, "expert_model_parallel_size"),
+    (Layout(world_size=2, ep=2), {"num_experts": 0}, "expert_model_parallel_size"),
+    (Layout(world_size=2, tp=2), {"num_query_groups": 1}, "tensor_model_parallel_size"),
+    (Layout(world_size=2, tp=0), {}, "tensor_model_parallel_size"),
+])
+def test_impossible_layouts_name_the_key(layout, kwargs, key):
+    with pytest.raises(ValueError, match=key):
+        validate_layout(layout, **kwargs)
+
+
+def test_valid_layouts_pass_and_dp_is_derived():
+    layout = Layout(world_size=16, tp=2, pp=2, ep=4)
+    validate_layout(layout, num_layers=48, num_experts=128, num_query_groups=4)
+    assert layout.dp == 4
+
+
+def test_megatron_groups_follow_the_layout(megatron_single):
+    from megatron.core import parallel_state as ps
+
+    assert ps.get_tensor_model_parallel_world_size() == 1
+    assert ps.get_data_parallel_world_size() == 1
+    assert ps.get_expert_model_parallel_world_size() == 1

@@ -1,0 +1,126 @@
+"""HF <-> Megatron weights: logit parity with transformers (TP=1, TP=2, EP=2) and round trips."""
+
+import os
+import shutil
+
+import pytest
+import torch
+
+from tests._dist import run_distributed
+
+
+def _hf_logits(model_dir, ids):
+    import transformers
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        return hf(ids).logits
+
+
+def _ids(seed=0, batch=2, seq=24):
+    return torch.randint(0, 1000, (batch, seq), generator=torch.Generator().manual_seed(seed))
+
+
+def _parity_worker(model_dir, tp, ep):
+    """Runs on each rank: Megatron logits (gathered over TP) and the exported HF tensors."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_grpo.models import build_from_hf, forward_logits
+    from megatron_grpo.models.weights import export_hf_tensors
+    from megatron_grpo.parallel import comm, state
+
+    state.initialize_model_parallel(state.Layout(world_size=int(os.environ.get("WORLD_SIZE", "1")), tp=tp, ep=ep))
+    model, shape = build_from_hf(model_dir)
+    with torch.no_grad():
+        logits = forward_logits(model, _ids())
+    full = comm.all_gather_cat(logits, -1, ps.get_tensor_model_parallel_group())
+    exported = {k: v.clone() for k, v in export_hf_tensors(model, shape, include_tied_lm_head=False)}
+    return full, exported
+
+
+def _check(results, model_dir, tol):
+    from safetensors.torch import load_file
+
+    ref = _hf_logits(model_dir, _ids())
+    original = load_file(os.path.join(model_dir, "model.safetensors"))
+    for logits, exported in results:
+        assert logits.shape == ref.shape
+        assert (logits - ref).abs().max().item() <= tol
+        assert set(exported) == set(original)
+        for name, tensor in original.items():
+            assert torch.equal(exported[name], tensor), name
+
+
+@pytest.mark.parametrize("which, tol", [("dense", 1e-4), ("moe", 1e-3)])
+def test_tp1_logits_match_transformers_and_round_trip(which, tol, tiny_dense, tiny_moe):
+    model_dir = tiny_dense if which == "dense" else tiny_moe
+    _check(run_distributed(_parity_worker, 1, model_dir, 1, 1), model_dir, tol)
+
+
+def test_tp2_dense_logits_and_bit_exact_round_trip(tiny_dense):
+    _check(run_distributed(_parity_worker, 2, tiny_dense, 2, 1), tiny_dense, 1e-4)
+
+
+def test_ep2_moe_logits_and_round_trip(tiny_moe):
+    _check(run_distributed(_parity_worker, 2, tiny_moe, 1, 2), tiny_moe, 1e-3)
+
+
+def test_tied_embeddings_parity(tiny_tied, megatron_single):
+    from megatron_grpo.models import build_from_hf, forward_logits
+    from megatron_grpo.models.weights import export_hf_tensors
+
+    model, shape = build_from_hf(tiny_tied)
+    assert shape.tie_word_embeddings
+    with torch.no_grad():
+        logits = forward_logits(model, _ids())
+    assert (logits - _hf_logits(tiny_tied, _ids())).abs().max().item() <= 1e-4
+    exported = dict(export_hf_tensors(model, shape))
+    assert torch.equal(exported["lm_head.weight"], exported["model.embed_tokens.weight"])
+
+
+def test_missing_tensor_names_file_and_tensor(tiny_dense, tmp_path, megatron_single):
+    from safetensors.torch import load_file, save_file
+
+    from megatron_grpo.models import build_from_hf
+
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_dense, broken)
+    tensors = load_file(str(broken / "model.safetensors"))
+    del tensors["model.layers.1.self_attn.k_proj.weight"]
+    save_file(tensors, str(broken / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"model.layers.1.self_attn.k_proj.weight") as err:
+        build_from_hf(str(broken))
+    assert str(broken) in str(err.value)
+
+
+def test_mismatched_shape_names_tensor(tiny_dense, tmp_path, megatron_single):
+    from safetensors.torch import load_file, save_file
+
+    from megatron_grpo.models import build_from_hf
+
+    broken = tmp_path / "bad-shape"
+    shutil.copytree(tiny_dense, broken)
+    tensors = load_file(str(broken / "model.safetensors"))
+    tensors["model.layers.0.mlp.down_proj.weight"] = tensors["model.layers.0.mlp.down_proj.weight"][:, :-4].contiguous()
+    save_file(tensors, str(broken / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"model.layers.0.mlp.down_proj.weight"):
+        build_from_hf(str(broken))
+
+
+def test_missing_checkpoint_dir_is_clear(tmp_path, megatron_single):
+    from megatron_grpo.models import build_from_hf
+
+    with pytest.raises(FileNotFoundError, match="no HF config"):
+        build_from_hf(str(tmp_path / "nope"))
+
+
+def test_truncated_safetensors_names_file(tiny_dense, tmp_path, megatron_single):
+    from megatron_grpo.models import build_from_hf
+
+    broken = tmp_path / "truncated"
+    shutil.copytree(tiny_dense, broken)
+    path = broken / "model.safetensors"
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError, match="model.safetensors"):
+        build_from_hf(str(broken))
