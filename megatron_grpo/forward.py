@@ -1,0 +1,81 @@
+"""Trainer-side forwards: packing completions, precision contexts, per-token log-probs.
+
+Sequences are right-padded (prompt + completion + pad), so causal attention needs no
+mask: padding only follows valid tokens. Log-probs come from the vocab-parallel,
+chunked ``token_log_probs`` and are fp32.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import List, Sequence
+
+import torch
+
+from megatron_grpo.logprobs import token_log_probs
+
+
+@dataclass
+class PackedBatch:
+    """Right-padded token batch; position t of ``labels``/``mask`` scores token t+1."""
+
+    input_ids: torch.Tensor
+    """[B, S] int64"""
+    labels: torch.Tensor
+    """[B, S] int64: input_ids shifted left by one (last column padding)"""
+    mask: torch.Tensor
+    """[B, S] bool: True where labels[t] is a completion token"""
+
+    def rows(self, sl: slice) -> "PackedBatch":
+        return PackedBatch(self.input_ids[sl], self.labels[sl], self.mask[sl])
+
+
+def pack(sequences: Sequence[Sequence[int]], prompt_lens: Sequence[int], pad_id: int = 0,
+         pad_to_multiple: int = 8) -> PackedBatch:
+    """Packs prompt+completion id lists into a right-padded batch with a completion-token mask."""
+    longest = max(len(s) for s in sequences)
+    width = -(-longest // pad_to_multiple) * pad_to_multiple
+    ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(sequences), width), dtype=torch.bool)
+    for i, (seq, p) in enumerate(zip(sequences, prompt_lens)):
+        ids[i, : len(seq)] = torch.as_tensor(seq, dtype=torch.long)
+        mask[i, p - 1 : len(seq) - 1] = True
+    labels = torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], pad_id)], dim=1)
+    return PackedBatch(ids, labels, mask)
+
+
+def precision_context(compute_dtype: torch.dtype, params_dtype: torch.dtype):
+    """Autocast to ``compute_dtype`` when it is lower than the params' dtype, else nothing."""
+    if compute_dtype == params_dtype or compute_dtype == torch.float32:
+        return contextlib.nullcontext()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.autocast(device, dtype=compute_dtype)
+
+
+def log_probs_from_logits(logits: torch.Tensor, labels: torch.Tensor, temperature: float, tp_group=None,
+                          chunk_size=None) -> torch.Tensor:
+    """fp32 log-probs of ``labels`` under ``softmax(logits / temperature)``; ``logits`` [B, S, V/tp]."""
+    if temperature != 1.0:
+        logits = logits / temperature
+    return token_log_probs(logits, labels, tp_group=tp_group, chunk_size=chunk_size)
+
+
+def forward_log_probs(model, batch: PackedBatch, *, compute_dtype: torch.dtype, params_dtype: torch.dtype,
+                      temperature: float = 1.0, tp_group=None, micro_batch_size: int = 8) -> torch.Tensor:
+    """No-grad log-probs ``[B, S]`` of ``batch.labels`` at the model's current weights in ``compute_dtype``."""
+    from megatron_grpo.models import forward_logits
+
+    out = []
+    with torch.no_grad():
+        for i in range(0, batch.input_ids.shape[0], micro_batch_size):
+            mb = batch.rows(slice(i, i + micro_batch_size))
+            with precision_context(compute_dtype, params_dtype):
+                logits = forward_logits(model, mb.input_ids)
+            out.append(log_probs_from_logits(logits, mb.labels, temperature, tp_group))
+    return torch.cat(out, dim=0)
+
+
+def completion_scores(lp: torch.Tensor, batch: PackedBatch) -> List[List[float]]:
+    """Per-sequence lists of the masked (completion) log-probs."""
+    return [row[m].tolist() for row, m in zip(lp, batch.mask)]

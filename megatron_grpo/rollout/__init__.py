@@ -1,0 +1,9 @@
+"""Rollout engines (registered by name, imported lazily) and the Megatron -> generator weight path."""
+
+from megatron_grpo.registry import Registry
+from megatron_grpo.rollout.types import Rollout, RolloutEngine, Rollouts, Sampling
+
+ROLLOUT_ENGINES = Registry("rollout engine")
+ROLLOUT_ENGINES.add("vllm", "megatron_grpo.rollout.vllm_engine:VLLMEngine")
+
+__all__ = ["ROLLOUT_ENGINES", "Rollout", "RolloutEngine", "Rollouts", "Sampling"]

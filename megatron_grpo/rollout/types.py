@@ -1,0 +1,70 @@
+"""Rollout data types and the engine interface every backend implements."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable, List, Optional, Sequence, Tuple
+
+import torch
+
+
+@dataclass
+class Sampling:
+    """Sampling settings for one ``generate`` call."""
+
+    max_tokens: int = 32
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    seed: Optional[int] = None
+    """Base seed: completion i of prompt p uses seed + p * n + i (deterministic, distinct samples)."""
+    stop_token_ids: Tuple[int, ...] = ()
+
+
+@dataclass
+class Rollout:
+    """One completion: what was sampled, with which log-probs, by which weights."""
+
+    prompt_index: int
+    prompt_ids: List[int]
+    completion_ids: List[int]
+    logprobs: List[float]
+    """Generator log-probs of each completion token under the distribution sampled from (temperature applied)."""
+    finish_reason: str
+    policy_version: int
+    text: Optional[str] = None
+
+
+@dataclass
+class Rollouts:
+    """Completions of one ``generate`` call, grouped prompt by prompt (n consecutive per prompt)."""
+
+    items: List[Rollout] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __iter__(self):
+        return iter(self.items)
+
+
+class RolloutEngine:
+    """Interface of a generator backend (registered in ``ROLLOUT_ENGINES``)."""
+
+    dtype: torch.dtype
+    policy_version: int = 0
+
+    def generate(self, prompt_token_ids: Sequence[Sequence[int]], n: int, sampling: Sampling) -> Rollouts:
+        """``n`` completions per prompt with per-token log-probs."""
+        raise NotImplementedError
+
+    def score(self, sequences: Sequence[Sequence[int]], prompt_lens: Sequence[int]) -> List[List[float]]:
+        """Log-probs of ``sequences[i][prompt_lens[i]:]`` given their prefixes (temperature 1)."""
+        raise NotImplementedError
+
+    def update_weights(self, named_tensors: Iterable[Tuple[str, torch.Tensor]], version: int) -> List[str]:
+        """Loads HF-named tensors (streamed) into the generator; returns the names loaded."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Releases the generator."""

@@ -1,0 +1,131 @@
+"""vLLM rollout engine: an offline ``vllm.LLM`` hosted in a generator process.
+
+dtype: the precision config's ``generation_dtype`` (matched to the trainer's compute
+dtype by default). Log-probs: ``logprobs_mode="processed_logprobs"``, i.e. the
+log-probs of the distribution actually sampled from (temperature applied; with
+top-p/top-k < full vocabulary, of the truncated distribution), which is what the
+importance ratio needs. The trainer computes ``log_softmax(logits / T)``; top-p/top-k
+truncation is therefore not matched by the trainer and is warned about in the config.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue as queue_module
+import time
+from typing import Iterable, List, Sequence, Tuple
+
+import torch
+import torch.multiprocessing as mp
+
+from megatron_grpo.rollout.types import Rollout, RolloutEngine, Rollouts, Sampling
+
+logger = logging.getLogger(__name__)
+
+DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+class GeneratorError(RuntimeError):
+    """The generator process failed, died, or did not answer in time."""
+
+
+class VLLMEngine(RolloutEngine):
+    """vLLM in a spawned process; ``generate``/``score``/``update_weights`` are blocking RPCs."""
+
+    def __init__(self, model_dir: str, dtype: torch.dtype, *, max_model_len: int = 512, seed: int = 0,
+                 gpu_memory_utilization: float = 0.5, kv_cache_gib: int = 1, start_timeout_s: float = 600.0,
+                 request_timeout_s: float = 600.0, is_moe: bool = False):
+        if dtype not in DTYPE_NAMES:
+            raise ValueError(f"generation dtype must be one of {list(DTYPE_NAMES.values())}, got {dtype}")
+        self.dtype = dtype
+        self.is_moe = is_moe
+        self.request_timeout_s = request_timeout_s
+        self.options = dict(model=model_dir, dtype=DTYPE_NAMES[dtype], max_model_len=max_model_len, seed=seed,
+                            gpu_memory_utilization=gpu_memory_utilization, kv_cache_gib=kv_cache_gib)
+        self._start(start_timeout_s)
+
+    def _start(self, timeout_s: float) -> None:
+        from megatron_grpo.rollout import vllm_worker
+
+        ctx = mp.get_context("spawn")
+        self._requests, self._responses = ctx.Queue(), ctx.Queue()
+        self._proc = ctx.Process(target=vllm_worker.serve, args=(self.options, self._requests, self._responses),
+                                 daemon=True, name="megatron-grpo-vllm")
+        started = time.monotonic()
+        self._proc.start()
+        self._wait("start", timeout_s)
+        logger.info("vLLM generator (%s, %s) ready in %.1f s", self.options["model"], self.options["dtype"],
+                    time.monotonic() - started)
+
+    def _wait(self, what: str, timeout_s: float):
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                status, value = self._responses.get(timeout=1.0)
+            except queue_module.Empty:
+                if not self._proc.is_alive():
+                    raise GeneratorError(f"vLLM generator process died during {what} (exit code {self._proc.exitcode})")
+                if time.monotonic() > deadline:
+                    raise GeneratorError(f"vLLM generator did not answer {what} within {timeout_s:.0f} s")
+                continue
+            if status == "error":
+                raise GeneratorError(f"vLLM generator failed during {what}:\n{value}")
+            return value
+
+    def _call(self, command: str, payload) -> object:
+        if not self._proc.is_alive():
+            raise GeneratorError(f"vLLM generator process is not running (exit code {self._proc.exitcode})")
+        self._requests.put((command, payload))
+        return self._wait(command, self.request_timeout_s)
+
+    def generate(self, prompt_token_ids: Sequence[Sequence[int]], n: int, sampling: Sampling) -> Rollouts:
+        payload = dict(prompts=[list(p) for p in prompt_token_ids], n=n, temperature=sampling.temperature,
+                       top_p=sampling.top_p, top_k=sampling.top_k, max_tokens=sampling.max_tokens, seed=sampling.seed,
+                       stop_token_ids=tuple(sampling.stop_token_ids))
+        results = self._call("generate", payload)
+        items = []
+        for k, (ids, logprobs, reason) in enumerate(results):
+            p = k // n
+            items.append(Rollout(prompt_index=p, prompt_ids=list(prompt_token_ids[p]), completion_ids=ids,
+                                 logprobs=logprobs, finish_reason=str(reason), policy_version=self.policy_version))
+        return Rollouts(items)
+
+    def score(self, sequences: Sequence[Sequence[int]], prompt_lens: Sequence[int]) -> List[List[float]]:
+        return self._call("score", dict(sequences=[list(s) for s in sequences], prompt_lens=list(prompt_lens)))
+
+    def update_weights(self, buckets: Iterable[List[Tuple[str, torch.Tensor]]], version: int) -> List[str]:
+        """Streams ``buckets`` (lists of (HF name, tensor in the generator dtype)) into vLLM."""
+        if not self._proc.is_alive():
+            raise GeneratorError(f"vLLM generator process is not running (exit code {self._proc.exitcode})")
+        self._requests.put(("load", dict(is_moe=self.is_moe)))
+        try:
+            for bucket in buckets:
+                self._requests.put([(name, t.share_memory_()) for name, t in bucket])
+        finally:
+            self._requests.put(None)
+        loaded = self._wait("load", self.request_timeout_s)
+        self.policy_version = version
+        return loaded
+
+    def alive(self) -> bool:
+        return self._proc.is_alive()
+
+    def close(self) -> None:
+        if getattr(self, "_proc", None) is None:
+            return
+        if self._proc.is_alive():
+            try:
+                self._requests.put(("close", None))
+                self._proc.join(timeout=30)
+            except Exception:  # noqa: BLE001 - best effort
+                pass
+        if self._proc.is_alive():
+            self._proc.kill()
+            self._proc.join(timeout=10)
+        self._proc = None
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001
+            pass

@@ -1,0 +1,123 @@
+"""The generator process: an offline ``vllm.LLM`` (in-process mode) serving commands.
+
+vLLM runs in its own process so that its distributed set-up never meets the trainer's
+process groups (an in-process ``vllm.LLM`` on rank 0 of a 2-rank gloo world hangs), and
+so that a crash of the generator is detected and recoverable. Commands come through a
+``torch.multiprocessing`` queue; weight buckets travel as shared-memory tensors and are
+streamed into ``reload_weights`` one bucket at a time.
+"""
+
+from __future__ import annotations
+
+import os
+import traceback
+
+_TRAINER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "MASTER_ADDR",
+                "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT")
+
+
+def serve(options: dict, requests, responses) -> None:
+    """Process entry point: build the engine, then answer (command, payload) requests until ``close``."""
+    for key in _TRAINER_ENV:
+        os.environ.pop(key, None)
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(options.get("kv_cache_gib", 1)))))
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    try:
+        llm = _build(options)
+    except BaseException:  # noqa: BLE001 - report start-up failures to the trainer
+        responses.put(("error", traceback.format_exc()))
+        return
+    responses.put(("ready", None))
+    handlers = {"generate": _generate, "score": _score, "load": _load, "ping": lambda llm, p, q: "pong"}
+    while True:
+        command, payload = requests.get()
+        if command == "close":
+            responses.put(("ok", None))
+            return
+        try:
+            responses.put(("ok", handlers[command](llm, payload, requests)))
+        except BaseException:  # noqa: BLE001
+            responses.put(("error", traceback.format_exc()))
+
+
+def _build(options: dict):
+    from vllm import LLM
+
+    return LLM(
+        model=options["model"], dtype=options["dtype"], enforce_eager=True, distributed_executor_backend="uni",
+        skip_tokenizer_init=True, logprobs_mode="processed_logprobs", seed=options.get("seed", 0),
+        max_model_len=options["max_model_len"], gpu_memory_utilization=options.get("gpu_memory_utilization", 0.5),
+        enable_prefix_caching=True,
+    )
+
+
+def _generate(llm, payload, requests):
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    prompts, params = [], []
+    for index, ids in enumerate(payload["prompts"]):
+        for i in range(payload["n"]):
+            seed = None if payload["seed"] is None else payload["seed"] + index * payload["n"] + i
+            prompts.append(TokensPrompt(prompt_token_ids=list(ids)))
+            params.append(SamplingParams(
+                n=1, temperature=payload["temperature"], top_p=payload["top_p"], top_k=payload["top_k"],
+                max_tokens=payload["max_tokens"], logprobs=0, seed=seed,
+                stop_token_ids=list(payload["stop_token_ids"]) or None,
+            ))
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    results = []
+    for out in outputs:
+        completion = out.outputs[0]
+        logprobs = [entry[tok].logprob for tok, entry in zip(completion.token_ids, completion.logprobs)]
+        results.append((list(completion.token_ids), logprobs, completion.finish_reason))
+    return results
+
+
+def _score(llm, payload, requests):
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0)
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=list(s)) for s in payload["sequences"]], params,
+                           use_tqdm=False)
+    scores = []
+    for out, seq, start in zip(outputs, payload["sequences"], payload["prompt_lens"]):
+        entries = out.prompt_logprobs
+        scores.append([entries[t][seq[t]].logprob for t in range(start, len(seq))])
+    return scores
+
+
+def _load(llm, payload, requests):
+    """Streams buckets from the queue into ``reload_weights``; returns the names loaded."""
+    loaded, done = [], [False]
+
+    def stream():
+        while True:
+            bucket = requests.get()
+            if bucket is None:
+                done[0] = True
+                return
+            for name, tensor in bucket:
+                loaded.append(name)
+                yield name, tensor
+
+    try:
+        llm.collective_rpc("reload_weights", kwargs={"weights_iterator": stream()})
+    finally:
+        while not done[0]:  # drain the rest of the push so the command stream stays in sync
+            done[0] = requests.get() is None
+    if payload.get("is_moe"):
+        llm.collective_rpc(_repack_moe)
+    llm.reset_prefix_cache()  # KV computed with the old weights must not be reused
+    return loaded
+
+
+def _repack_moe(worker) -> None:
+    """CPU fused-MoE layers keep unpacked expert weights after reload: redo their post-load step."""
+    model = worker.model_runner.model
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        if type(module).__name__ == "FusedMoE" and method is not None:
+            method.process_weights_after_loading(module)
