@@ -10,7 +10,9 @@ no-op when CUDA is available. The spots (see ../shared/ENVIRONMENT.md):
   generator states, one independent stream per name so TP ranks get distinct dropout);
 - ``custom_fwd/custom_bwd(device_type="cuda")`` around the TP linear autograd
   functions -> rewrapped for ``device_type="cpu"`` so bf16/fp16 autocast backward works;
-- MoE router's module-level ``te_general_gemm`` missing without TE -> set to None.
+- MoE router's module-level ``te_general_gemm`` missing without TE -> set to None;
+- ``device="cuda"`` tensor factories in the pipeline schedules -> that module sees a
+  ``torch`` whose factories map ``"cuda"`` to ``"cpu"``.
 """
 
 from __future__ import annotations
@@ -89,9 +91,32 @@ def _patch_megatron() -> None:
     fused_softmax.get_default_causal_mask = _cpu_causal_mask
     transformer_utils.get_default_causal_mask = _cpu_causal_mask
     _rewrap_autocast(layers)
+    from megatron.core.pipeline_parallel import schedules
+
+    schedules.torch = _CPUTorch()
     random._CUDA_RNG_STATE_TRACKER = _TRACKER
     random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
     _patch_router()
+
+
+class _CPUTorch:
+    """``torch`` for modules that hard-code ``device="cuda"`` in tensor factories."""
+
+    _FACTORIES = ("zeros", "ones", "empty", "full", "tensor", "arange")
+
+    def __getattr__(self, name):
+        attr = getattr(torch, name)
+        if name in self._FACTORIES:
+            return functools.partial(_on_cpu, attr)
+        if name == "autocast":
+            return lambda device_type, *a, **k: torch.autocast("cpu" if device_type == "cuda" else device_type, *a, **k)
+        return attr
+
+
+def _on_cpu(factory, *args, **kwargs):
+    if str(kwargs.get("device", "cpu")).startswith("cuda"):
+        kwargs["device"] = "cpu"
+    return factory(*args, **kwargs)
 
 
 @functools.lru_cache(maxsize=32)

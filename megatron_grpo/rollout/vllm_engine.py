@@ -51,43 +51,60 @@ class VLLMEngine(RolloutEngine):
         self._requests, self._responses = ctx.Queue(), ctx.Queue()
         self._proc = ctx.Process(target=vllm_worker.serve, args=(self.options, self._requests, self._responses),
                                  daemon=True, name="megatron-grpo-vllm")
+        self._next_id, self._received = 1, {}
         started = time.monotonic()
         self._proc.start()
-        self._wait("start", timeout_s)
+        self._wait(0, "start", timeout_s)
         logger.info("vLLM generator (%s, %s) ready in %.1f s", self.options["model"], self.options["dtype"],
                     time.monotonic() - started)
 
-    def _wait(self, what: str, timeout_s: float):
+    def _wait(self, request_id: int, what: str, timeout_s: float):
+        """Waits for the response to ``request_id`` (responses to other requests are kept)."""
         deadline = time.monotonic() + timeout_s
-        while True:
+        while request_id not in self._received:
             try:
-                status, value = self._responses.get(timeout=1.0)
+                rid, status, value = self._responses.get(timeout=1.0)
             except queue_module.Empty:
                 if not self._proc.is_alive():
                     raise GeneratorError(f"vLLM generator process died during {what} (exit code {self._proc.exitcode})")
                 if time.monotonic() > deadline:
                     raise GeneratorError(f"vLLM generator did not answer {what} within {timeout_s:.0f} s")
                 continue
-            if status == "error":
-                raise GeneratorError(f"vLLM generator failed during {what}:\n{value}")
-            return value
+            self._received[rid] = (status, value)
+        status, value = self._received.pop(request_id)
+        if status == "error":
+            raise GeneratorError(f"vLLM generator failed during {what}:\n{value}")
+        return value
 
-    def _call(self, command: str, payload) -> object:
+    def _submit(self, command: str, payload) -> int:
         if not self._proc.is_alive():
             raise GeneratorError(f"vLLM generator process is not running (exit code {self._proc.exitcode})")
-        self._requests.put((command, payload))
-        return self._wait(command, self.request_timeout_s)
+        request_id, self._next_id = self._next_id, self._next_id + 1
+        self._requests.put((request_id, command, payload))
+        return request_id
+
+    def _call(self, command: str, payload) -> object:
+        return self._wait(self._submit(command, payload), command, self.request_timeout_s)
 
     def generate(self, prompt_token_ids: Sequence[Sequence[int]], n: int, sampling: Sampling) -> Rollouts:
+        return self.collect(self.submit_generate(prompt_token_ids, n, sampling))
+
+    def submit_generate(self, prompt_token_ids: Sequence[Sequence[int]], n: int, sampling: Sampling):
+        """Starts generation without waiting (the generator works while the trainer trains)."""
         payload = dict(prompts=[list(p) for p in prompt_token_ids], n=n, temperature=sampling.temperature,
                        top_p=sampling.top_p, top_k=sampling.top_k, max_tokens=sampling.max_tokens, seed=sampling.seed,
                        stop_token_ids=tuple(sampling.stop_token_ids))
-        results = self._call("generate", payload)
+        return (self._submit("generate", payload), [list(p) for p in prompt_token_ids], n, self.policy_version)
+
+    def collect(self, handle) -> Rollouts:
+        """Waits for a ``submit_generate`` handle; rollouts carry the version they were generated with."""
+        request_id, prompt_token_ids, n, version = handle
+        results = self._wait(request_id, "generate", self.request_timeout_s)
         items = []
         for k, (ids, logprobs, reason) in enumerate(results):
             p = k // n
             items.append(Rollout(prompt_index=p, prompt_ids=list(prompt_token_ids[p]), completion_ids=ids,
-                                 logprobs=logprobs, finish_reason=str(reason), policy_version=self.policy_version))
+                                 logprobs=logprobs, finish_reason=str(reason), policy_version=version))
         return Rollouts(items)
 
     def score(self, sequences: Sequence[Sequence[int]], prompt_lens: Sequence[int]) -> List[List[float]]:
@@ -97,13 +114,13 @@ class VLLMEngine(RolloutEngine):
         """Streams ``buckets`` (lists of (HF name, tensor in the generator dtype)) into vLLM."""
         if not self._proc.is_alive():
             raise GeneratorError(f"vLLM generator process is not running (exit code {self._proc.exitcode})")
-        self._requests.put(("load", dict(is_moe=self.is_moe)))
+        request_id = self._submit("load", dict(is_moe=self.is_moe))
         try:
             for bucket in buckets:
                 self._requests.put([(name, t.share_memory_()) for name, t in bucket])
         finally:
             self._requests.put(None)
-        loaded = self._wait("load", self.request_timeout_s)
+        loaded = self._wait(request_id, "load", self.request_timeout_s)
         self.policy_version = version
         return loaded
 
@@ -115,7 +132,7 @@ class VLLMEngine(RolloutEngine):
             return
         if self._proc.is_alive():
             try:
-                self._requests.put(("close", None))
+                self._requests.put((-1, "close", None))
                 self._proc.join(timeout=30)
             except Exception:  # noqa: BLE001 - best effort
                 pass

@@ -26,19 +26,19 @@ def serve(options: dict, requests, responses) -> None:
     try:
         llm = _build(options)
     except BaseException:  # noqa: BLE001 - report start-up failures to the trainer
-        responses.put(("error", traceback.format_exc()))
+        responses.put((0, "error", traceback.format_exc()))
         return
-    responses.put(("ready", None))
+    responses.put((0, "ok", "ready"))
     handlers = {"generate": _generate, "score": _score, "load": _load, "ping": lambda llm, p, q: "pong"}
     while True:
-        command, payload = requests.get()
+        request_id, command, payload = requests.get()
         if command == "close":
-            responses.put(("ok", None))
+            responses.put((request_id, "ok", None))
             return
         try:
-            responses.put(("ok", handlers[command](llm, payload, requests)))
+            responses.put((request_id, "ok", handlers[command](llm, payload, requests)))
         except BaseException:  # noqa: BLE001
-            responses.put(("error", traceback.format_exc()))
+            responses.put((request_id, "error", traceback.format_exc()))
 
 
 def _build(options: dict):

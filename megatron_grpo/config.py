@@ -1,0 +1,361 @@
+"""The recipe schema: one dataclass per component; YAML keys equal field names.
+
+Recipes follow NeMo-RL's convention: OmegaConf YAML with ``defaults:`` inheritance
+(a recipe path, or a list of them, relative to the recipe's folder, merged first),
+``${...}`` interpolation and ``key=value`` overrides on the command line. Unknown keys
+and wrong types are ``ValueError``s naming the key and the file (or the override).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+import torch
+
+from megatron_grpo.loss.config import LossConfig
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def to_dtype(name: str) -> torch.dtype:
+    """``"bfloat16"`` -> ``torch.bfloat16``."""
+    return DTYPES[name]
+
+
+def _check_dtype(key: str, value: Optional[str], allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if value not in DTYPES:
+        raise ValueError(f"{key} must be one of {', '.join(DTYPES)}, got {value!r}")
+
+
+@dataclass
+class PrecisionConfig:
+    """Trainer and generator precisions (the knobs of the write-up)."""
+
+    params_dtype: str = "float32"
+    """Dtype of the model weights: float32 (master weights), bfloat16 or float16."""
+    compute_dtype: str = "float32"
+    """Dtype of the trainer's forward GEMMs (CPU: autocast; GPU: autocast / TE GEMMs)."""
+    generation_dtype: Optional[str] = None
+    """vLLM's dtype; null = compute_dtype (precision-matched, beta = 0)."""
+    shadow_dtype: Optional[str] = None
+    """Dtype of the no-grad shadow forward that measures beta; null = generation_dtype."""
+    initial_loss_scale: float = 65536.0
+    """fp16 only: starting dynamic loss scale."""
+    min_loss_scale: float = 1.0
+    """fp16 only: the loss scale never goes below this."""
+    loss_scale_window: int = 100
+    """fp16 only: steps without overflow before the scale doubles."""
+
+    def __post_init__(self):
+        _check_dtype("policy.precision.params_dtype", self.params_dtype)
+        _check_dtype("policy.precision.compute_dtype", self.compute_dtype)
+        _check_dtype("policy.precision.generation_dtype", self.generation_dtype, allow_none=True)
+        _check_dtype("policy.precision.shadow_dtype", self.shadow_dtype, allow_none=True)
+        if self.generation_dtype is None:
+            self.generation_dtype = self.compute_dtype
+        if self.shadow_dtype is None:
+            self.shadow_dtype = self.generation_dtype
+        if DTYPES[self.compute_dtype].itemsize > DTYPES[self.params_dtype].itemsize:
+            raise ValueError(f"policy.precision.compute_dtype={self.compute_dtype} is wider than params_dtype="
+                             f"{self.params_dtype}: computing above the weights' precision is not supported")
+        if {self.params_dtype, self.compute_dtype} == {"bfloat16", "float16"}:
+            raise ValueError("policy.precision: params_dtype and compute_dtype mix bfloat16 and float16")
+
+    @property
+    def needs_shadow(self) -> bool:
+        """The shadow forward runs only when it differs from the trainer's own forward."""
+        return self.shadow_dtype != self.compute_dtype
+
+
+@dataclass
+class MegatronConfig:
+    """Megatron-Core parallel layout and backend (NeMo-RL's ``policy.megatron_cfg``)."""
+
+    tensor_model_parallel_size: int = 1
+    """TP: splits each GEMM across ranks."""
+    pipeline_model_parallel_size: int = 1
+    """PP: splits the layers across ranks (validated; the CPU runtime trains with PP=1)."""
+    expert_model_parallel_size: int = 1
+    """EP: splits MoE experts across ranks."""
+    expert_tensor_parallel_size: int = 1
+    """ETP: splits each expert's GEMMs."""
+    context_parallel_size: int = 1
+    """CP: splits the sequence (validated only)."""
+    transformer_impl: str = "auto"
+    """auto (Transformer Engine with CUDA+TE, else local), te, or local."""
+    moe_router_dtype: str = "fp32"
+    """MoE router precision: fp32 or fp64."""
+    moe_aux_loss_coeff: float = 0.0
+    """MoE load-balancing aux loss coefficient (0 = off)."""
+
+    def __post_init__(self):
+        if self.transformer_impl not in ("auto", "te", "local"):
+            raise ValueError(f"policy.megatron_cfg.transformer_impl must be auto, te or local, got {self.transformer_impl!r}")
+        if self.moe_router_dtype not in ("fp32", "fp64"):
+            raise ValueError(f"policy.megatron_cfg.moe_router_dtype must be fp32 or fp64, got {self.moe_router_dtype!r}")
+
+
+@dataclass
+class OptimizerConfig:
+    """AdamW settings."""
+
+    lr: float = 1e-6
+    """Learning rate (the write-up: 1e-6 on Qwen3-0.6B)."""
+    weight_decay: float = 0.0
+    """Decoupled weight decay."""
+    adam_beta1: float = 0.9
+    """Adam beta1."""
+    adam_beta2: float = 0.999
+    """Adam beta2."""
+    adam_eps: float = 1e-8
+    """Adam epsilon."""
+    clip_grad: float = 1.0
+    """Global gradient-norm clip (0 = off)."""
+
+    def __post_init__(self):
+        if self.lr <= 0:
+            raise ValueError(f"policy.optimizer.lr must be > 0, got {self.lr}")
+
+
+@dataclass
+class PolicyConfig:
+    """The trained model."""
+
+    model_name: Optional[str] = None
+    """HF checkpoint dir (Qwen3 / Qwen3-MoE); null = the embedded tiny Qwen3."""
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    """Trainer/generator precisions."""
+    megatron_cfg: MegatronConfig = field(default_factory=MegatronConfig)
+    """Parallel layout and backend."""
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    """Optimizer."""
+    train_micro_batch_size: int = 8
+    """Sequences per micro-batch (gradient accumulation over micro-batches)."""
+    logprob_chunk_size: Optional[int] = None
+    """Tokens per fp32 chunk in the log-prob kernel (null = its default)."""
+
+    def __post_init__(self):
+        if self.train_micro_batch_size < 1:
+            raise ValueError(f"policy.train_micro_batch_size must be >= 1, got {self.train_micro_batch_size}")
+
+
+@dataclass
+class GenerationConfig:
+    """The rollout engine."""
+
+    backend: str = "vllm"
+    """Rollout engine name (registry ``megatron_grpo.rollout.ROLLOUT_ENGINES``)."""
+    max_new_tokens: int = 32
+    """Completion length cap."""
+    temperature: float = 1.0
+    """Sampling temperature; the trainer's log-probs use the same temperature."""
+    top_p: float = 1.0
+    """Nucleus sampling (< 1 truncates; the trainer does not, so ratios carry that gap)."""
+    top_k: int = -1
+    """Top-k sampling (-1 = off)."""
+    max_model_len: int = 512
+    """vLLM's max sequence length."""
+    kv_cache_gib: int = 1
+    """CPU only: vLLM KV cache size (GiB)."""
+    gpu_memory_utilization: float = 0.5
+    """GPU only: vLLM's memory fraction."""
+    weight_push_bucket_mb: float = 64.0
+    """Size of one weight-push bucket (MiB)."""
+    parity_probe_every: int = 1
+    """Run the parity probe every N pushes (0 = off)."""
+    parity_tolerance: Optional[float] = None
+    """Mean |log-prob diff| allowed by the probe; null = per-dtype default."""
+    max_staleness: int = 0
+    """Async: rollouts from weights at most this many versions old are used (0 = synchronous)."""
+
+    def __post_init__(self):
+        if self.temperature <= 0:
+            raise ValueError(f"generation.temperature must be > 0, got {self.temperature}")
+        if self.max_staleness < 0 or self.parity_probe_every < 0:
+            raise ValueError("generation.max_staleness and generation.parity_probe_every must be >= 0")
+        if self.top_p < 1.0 or self.top_k > 0:
+            logger.warning("generation.top_p/top_k truncate the sampling distribution; the trainer's log-probs do "
+                           "not, so the importance ratio carries that difference")
+
+
+@dataclass
+class GRPOConfig:
+    """The GRPO loop."""
+
+    num_prompts_per_step: int = 8
+    """Prompts per step."""
+    num_generations_per_prompt: int = 8
+    """Completions per prompt (the group size)."""
+    max_num_steps: int = 20
+    """Steps to run."""
+    seed: int = 42
+    """Seed of everything (sampling, data order, init)."""
+    advantage_estimator: str = "grpo"
+    """grpo (std-normalised), dr_grpo (centred only), rloo."""
+    deployed_improvement: bool = True
+    """Measure ``policy/deployed_improvement`` (one extra shadow forward per step)."""
+    grad_cos_clean_every: int = 0
+    """Every N steps log ``grad/cos_clean`` (one extra backward; 0 = off)."""
+
+    def __post_init__(self):
+        from megatron_grpo.loss import ADVANTAGE_ESTIMATORS
+
+        if self.advantage_estimator not in ADVANTAGE_ESTIMATORS:
+            raise ValueError(f"grpo.advantage_estimator: unknown {self.advantage_estimator!r}; valid choices: "
+                             f"{', '.join(ADVANTAGE_ESTIMATORS.names())}")
+        for key in ("num_prompts_per_step", "num_generations_per_prompt", "max_num_steps"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"grpo.{key} must be >= 1, got {getattr(self, key)}")
+
+
+@dataclass
+class DataConfig:
+    """Prompts."""
+
+    prompts_file: Optional[str] = None
+    """JSONL with ``{"prompt": str}`` or ``{"prompt_token_ids": [int]}`` per line; null = synthetic."""
+    num_synthetic_prompts: int = 64
+    """Size of the built-in synthetic prompt set."""
+
+
+@dataclass
+class RewardConfig:
+    """Reward function."""
+
+    name: str = "negative_length"
+    """Registered name (negative_length) or ``module:function`` called with completion ids and texts."""
+
+
+@dataclass
+class LoggerConfig:
+    """Metrics output."""
+
+    log_dir: str = "runs/grpo"
+    """Folder of ``metrics.jsonl`` (and TensorBoard events)."""
+    tensorboard: bool = True
+    """Also write TensorBoard events when tensorboard is installed."""
+    progress_bar: bool = True
+    """Live progress bar with reward, beta and phantom-clip fraction."""
+
+
+@dataclass
+class CheckpointingConfig:
+    """Checkpoints."""
+
+    checkpoint_dir: Optional[str] = None
+    """Folder of checkpoints; null = no checkpoints."""
+    save_period: int = 0
+    """Save every N steps (0 = only at the end)."""
+    resume: bool = False
+    """Resume from the latest checkpoint in checkpoint_dir."""
+    keep_last_n: int = 2
+    """Checkpoints kept."""
+
+
+@dataclass
+class Config:
+    """A whole recipe."""
+
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    """The trained model."""
+    generation: GenerationConfig = field(default_factory=GenerationConfig)
+    """The rollout engine."""
+    grpo: GRPOConfig = field(default_factory=GRPOConfig)
+    """The loop."""
+    loss_fn: LossConfig = field(default_factory=LossConfig)
+    """The policy loss."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """Prompts."""
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    """Reward."""
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    """Metrics."""
+    checkpointing: CheckpointingConfig = field(default_factory=CheckpointingConfig)
+    """Checkpoints."""
+
+    def __post_init__(self):
+        p = self.policy.precision
+        if p.compute_dtype != p.generation_dtype and self.loss_fn.ratio == "train":
+            logger.warning(
+                "policy.precision.compute_dtype=%s differs from generation_dtype=%s with loss_fn.ratio=train: "
+                "phantom clipping is expected. Fixes: match the precisions (compute_dtype=%s, or float16 for both), "
+                "or loss_fn.ratio=shadow.", p.compute_dtype, p.generation_dtype, p.generation_dtype)
+        if self.loss_fn.ratio == "shadow" and not p.needs_shadow:
+            logger.info("loss_fn.ratio=shadow with shadow_dtype == compute_dtype: the shadow ratio equals the trainer's")
+
+
+# ---- building dataclasses from plain dicts, strictly -----------------------------------------------------
+
+
+def check_keys(cls, data: Dict[str, Any], *, prefix: str = "", source: str = "recipe") -> None:
+    """Raises ``ValueError`` naming the first key of ``data`` that ``cls`` (recursively) does not have."""
+    if not isinstance(data, dict):
+        raise ValueError(f"{prefix or 'recipe'}: expected a mapping in {source}, got {type(data).__name__}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - fields)
+    if unknown:
+        where = f"{prefix}." if prefix else ""
+        raise ValueError(f"unknown key '{where}{unknown[0]}' in {source}; valid keys under "
+                         f"'{prefix or '<top>'}': {', '.join(sorted(fields))}")
+    for name, value in data.items():
+        sub = _dataclass_of(hints[name])
+        if sub is not None and isinstance(value, dict):
+            check_keys(sub, value, prefix=f"{prefix}.{name}" if prefix else name, source=source)
+
+
+def _dataclass_of(hint):
+    if typing.get_origin(hint) is typing.Union:
+        hint = next(a for a in typing.get_args(hint) if a is not type(None))
+    return hint if dataclasses.is_dataclass(hint) else None
+
+
+def from_dict(cls, data: Dict[str, Any], *, prefix: str = "", source: str = "recipe"):
+    """Builds dataclass ``cls`` from ``data``; unknown keys / wrong types raise ``ValueError``."""
+    check_keys(cls, data, prefix=prefix, source=source)
+    hints = typing.get_type_hints(cls)
+    kwargs = {name: _coerce(hints[name], value, f"{prefix}.{name}" if prefix else name, source)
+              for name, value in data.items()}
+    return cls(**kwargs)
+
+
+def _coerce(hint, value, key: str, source: str):
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is typing.Union:
+        if value is None and type(None) in args:
+            return None
+        hint = next(a for a in args if a is not type(None))
+    if dataclasses.is_dataclass(hint):
+        return from_dict(hint, value if value is not None else {}, prefix=key, source=source)
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+    elif hint is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif hint is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif hint is str:
+        if isinstance(value, str):
+            return value
+    elif typing.get_origin(hint) in (list, List):
+        if isinstance(value, list):
+            return value
+    else:
+        return value
+    raise ValueError(f"{key}: expected {getattr(hint, '__name__', hint)}, got {type(value).__name__} {value!r} "
+                     f"(in {source})")
+
+
+def to_dict(cfg) -> Dict[str, Any]:
+    """The resolved config as plain dicts (for printing and saving)."""
+    return dataclasses.asdict(cfg)

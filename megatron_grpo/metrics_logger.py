@@ -1,0 +1,84 @@
+"""Per-step metrics: one host sync, then metrics.jsonl (appended, flushed), TensorBoard, progress bar."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Dict, Optional
+
+import torch
+
+
+def to_host(metrics: Dict[str, object]) -> Dict[str, float]:
+    """Converts a dict of 0-dim tensors / numbers to floats with a single device->host copy."""
+    names = [k for k, v in metrics.items() if isinstance(v, torch.Tensor)]
+    values = torch.stack([metrics[k].detach().double().reshape(()) for k in names]).tolist() if names else []
+    out = {k: float(v) for k, v in metrics.items() if not isinstance(v, torch.Tensor)}
+    out.update(zip(names, values))
+    return dict(sorted(out.items()))
+
+
+class MetricsLogger:
+    """Writes one JSON object per step (``step`` + metrics) on the logging rank."""
+
+    def __init__(self, log_dir: str, *, enabled: bool, tensorboard: bool, progress_bar: bool, total_steps: int,
+                 start_step: int = 0):
+        self.enabled = enabled
+        self.path = os.path.join(log_dir, "metrics.jsonl")
+        self._tb = self._bar = None
+        if not enabled:
+            return
+        os.makedirs(log_dir, exist_ok=True)
+        self._drop_rows_after(start_step)
+        self._file = open(self.path, "a")
+        if tensorboard:
+            self._tb = _tensorboard_writer(log_dir)
+        if progress_bar:
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total_steps, initial=start_step, desc="GRPO", dynamic_ncols=True)
+
+    def _drop_rows_after(self, start_step: int) -> None:
+        """On resume, rows of steps >= start_step (written after the checkpoint) are removed."""
+        if not os.path.isfile(self.path):
+            return
+        with open(self.path) as f:
+            rows = [line for line in f if line.strip() and json.loads(line).get("step", 0) < start_step]
+        tmp = self.path + ".tmp"
+        with open(tmp, "w") as f:
+            f.writelines(rows)
+        os.replace(tmp, self.path)
+
+    def log(self, step: int, metrics: Dict[str, float]) -> None:
+        if not self.enabled:
+            return
+        row = {"step": step, **{k: (v if math.isfinite(v) else None) for k, v in metrics.items()}}
+        self._file.write(json.dumps(row) + "\n")
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        if self._tb is not None:
+            for k, v in metrics.items():
+                self._tb.add_scalar(k, v, step)
+        if self._bar is not None:
+            self._bar.set_postfix(reward=f"{metrics.get('reward/mean', float('nan')):.3f}",
+                                  beta=f"{metrics.get('precision/beta_abs_mean', float('nan')):.2e}",
+                                  phantom=f"{metrics.get('clip/phantom_region_fraction', float('nan')):.3f}")
+            self._bar.update(1)
+
+    def close(self) -> None:
+        if not self.enabled:
+            return
+        self._file.close()
+        if self._tb is not None:
+            self._tb.close()
+        if self._bar is not None:
+            self._bar.close()
+
+
+def _tensorboard_writer(log_dir: str) -> Optional[object]:
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except Exception:  # noqa: BLE001 - tensorboard is optional
+        return None
+    return SummaryWriter(log_dir)

@@ -1,0 +1,69 @@
+"""Gradient reductions across data-parallel ranks and the TP/EP-aware global grad norm.
+
+Losses are normalised by the *global* token count, so DP gradients are summed (not
+averaged). Expert parameters (``param.allreduce == False``) are summed over the
+expert-data-parallel group, the rest over the data-parallel group; one flat
+all-reduce per group.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, List
+
+import torch
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from megatron_grpo.parallel import comm
+
+
+def _is_expert(param) -> bool:
+    return not getattr(param, "allreduce", True)
+
+
+def _sum_flat(grads: List[torch.Tensor], group) -> None:
+    if not grads or comm.group_size(group) == 1:
+        return
+    flat = comm.all_reduce_sum(_flatten_dense_tensors(grads), group)
+    for g, reduced in zip(grads, _unflatten_dense_tensors(flat, grads)):
+        g.copy_(reduced)
+
+
+def all_reduce_gradients(params: Iterable[torch.nn.Parameter]) -> None:
+    """Sums ``.grad`` over data-parallel ranks (expert params over expert-data-parallel ranks)."""
+    from megatron.core import parallel_state as ps
+
+    params = [p for p in params if p.grad is not None]
+    _sum_flat([p.grad for p in params if not _is_expert(p)], ps.get_data_parallel_group())
+    _sum_flat([p.grad for p in params if _is_expert(p)], ps.get_expert_data_parallel_group())
+
+
+def global_grad_norm(params: Iterable[torch.nn.Parameter]) -> torch.Tensor:
+    """L2 norm of the full model's gradient (TP duplicates counted once, shards summed)."""
+    from megatron.core import parallel_state as ps
+
+    tp_rank = ps.get_tensor_model_parallel_rank()
+    dense, expert = torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.float64)
+    for p in params:
+        if p.grad is None:
+            continue
+        sharded = getattr(p, "tensor_model_parallel", False)
+        if not sharded and (ps.get_expert_tensor_parallel_rank() if _is_expert(p) else tp_rank) != 0:
+            continue
+        sq = p.grad.double().pow(2).sum()
+        if _is_expert(p):
+            expert += sq
+        else:
+            dense += sq
+    comm.all_reduce_sum(dense, ps.get_model_parallel_group())
+    comm.all_reduce_sum(expert, ps.get_expert_tensor_model_pipeline_parallel_group())
+    return (dense + expert).sqrt()
+
+
+def clip_gradients(params: List[torch.nn.Parameter], max_norm: float, norm: torch.Tensor) -> None:
+    """Scales gradients so their global norm is at most ``max_norm`` (no host sync)."""
+    if max_norm <= 0:
+        return
+    coef = (max_norm / (norm + 1e-6)).clamp(max=1.0).float()
+    for p in params:
+        if p.grad is not None:
+            p.grad.mul_(coef.to(p.grad.dtype))

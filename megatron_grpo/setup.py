@@ -1,0 +1,166 @@
+"""Builds everything a run needs, in order, before the first step (``TrainContext``).
+
+Layout validation comes first, so an impossible layout fails before any model is built.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any, Callable, List, Optional
+
+import torch
+
+from megatron_grpo.config import Config, to_dtype
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class TrainContext:
+    """The run's components (this rank's view)."""
+
+    model: Any
+    shape: Any
+    model_dir: str
+    optimizer: Any
+    stepper: Any
+    engine: Any
+    sampler: Any
+    reward_fn: Callable
+    probe: Any
+    eos_id: int
+    pad_id: int
+    tokenizer: Any
+    tp_group: Any
+    dp_group: Any
+    dp_rank: int
+    dp_size: int
+    rank: int
+
+    def decode(self, ids: List[List[int]]) -> List[Optional[str]]:
+        if self.tokenizer is None:
+            return [None] * len(ids)
+        return self.tokenizer.batch_decode(ids, skip_special_tokens=False)
+
+    def trainer_scores(self, dtype: torch.dtype):
+        """A function scoring a ``ProbeBatch`` with the trainer's no-grad forward in ``dtype``."""
+        from megatron_grpo.forward import completion_scores, pack
+
+        def score(probe):
+            packed = pack(probe.sequences, probe.prompt_lens, self.pad_id)
+            return completion_scores(self.stepper.lowp_log_probs(packed, dtype), packed)
+
+        return score
+
+
+def build_context(cfg: Config) -> TrainContext:
+    """Initialises distributed state and builds model, optimizer, generator, data and reward."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_grpo.data import PromptSampler, load_prompts
+    from megatron_grpo.models import build_from_hf, load_hf_config, shape_from_hf
+    from megatron_grpo.optim import Optimizer
+    from megatron_grpo.parallel import state
+    from megatron_grpo.parallel.state import validate_layout
+    from megatron_grpo.rewards import get_reward_fn
+    from megatron_grpo.rollout.parity import ProbeBatch
+    from megatron_grpo.step import TrainStep
+    from megatron_grpo.train import layout_of, resolve_model_dir
+
+    state.init_distributed()
+    import torch.distributed as dist
+
+    layout = layout_of(cfg, dist.get_world_size())
+    model_dir = _model_dir_everywhere(cfg)
+    shape = shape_from_hf(load_hf_config(model_dir))
+    validate_layout(layout, num_layers=shape.num_layers, num_experts=shape.num_experts,
+                    num_query_groups=shape.num_kv_heads)
+    _check_batch(cfg, layout)
+    if layout.pp > 1 or layout.cp > 1:
+        raise ValueError("policy.megatron_cfg: pipeline/context parallel training is validated by --dry-run only; "
+                         "the CPU runtime trains with pipeline_model_parallel_size=1 and context_parallel_size=1")
+    state.initialize_model_parallel(layout, seed=cfg.grpo.seed)
+    reward_fn = get_reward_fn(cfg.reward.name)
+    p, m = cfg.policy.precision, cfg.policy.megatron_cfg
+    model, shape = build_from_hf(model_dir, params_dtype=to_dtype(p.params_dtype), router_dtype=m.moe_router_dtype,
+                                 backend=m.transformer_impl, moe_aux_loss_coeff=m.moe_aux_loss_coeff)
+    ref_model = None
+    if cfg.loss_fn.reference_policy_kl_penalty > 0:
+        ref_model, _ = build_from_hf(model_dir, params_dtype=to_dtype(p.params_dtype), backend=m.transformer_impl)
+        ref_model.requires_grad_(False)
+    optimizer = Optimizer(model, cfg.policy.optimizer, p)
+    tp_group, dp_group = ps.get_tensor_model_parallel_group(), ps.get_data_parallel_group()
+    stepper = TrainStep(model, optimizer, cfg, tp_group, dp_group, ref_model)
+    tokenizer = _tokenizer(model_dir)
+    eos_id = _eos_id(model_dir, tokenizer)
+    prompts = load_prompts(cfg.data.prompts_file, model_dir, cfg.data.num_synthetic_prompts, shape.vocab_size,
+                           cfg.grpo.seed)
+    rank = dist.get_rank()
+    engine = _build_engine(cfg, model_dir, shape) if rank == 0 else None
+    return TrainContext(
+        model=model, shape=shape, model_dir=model_dir, optimizer=optimizer, stepper=stepper, engine=engine,
+        sampler=PromptSampler(prompts, cfg.grpo.seed), reward_fn=reward_fn,
+        probe=ProbeBatch.synthetic(shape.vocab_size, seed=cfg.grpo.seed), eos_id=eos_id,
+        pad_id=eos_id, tokenizer=tokenizer, tp_group=tp_group, dp_group=dp_group,
+        dp_rank=ps.get_data_parallel_rank(), dp_size=ps.get_data_parallel_world_size(), rank=rank)
+
+
+def _model_dir_everywhere(cfg: Config) -> str:
+    """Rank 0 resolves (and, for the default, creates) the model dir first; the others follow."""
+    import torch.distributed as dist
+
+    from megatron_grpo.train import resolve_model_dir
+
+    path = resolve_model_dir(cfg) if dist.get_rank() == 0 else None
+    dist.barrier()
+    return path if path is not None else resolve_model_dir(cfg)
+
+
+def _check_batch(cfg: Config, layout) -> None:
+    rows = cfg.grpo.num_prompts_per_step * cfg.grpo.num_generations_per_prompt
+    if rows % layout.dp:
+        raise ValueError(f"grpo.num_prompts_per_step x grpo.num_generations_per_prompt = {rows} sequences do not "
+                         f"split over data-parallel size {layout.dp}")
+
+
+def _tokenizer(model_dir: str):
+    try:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(model_dir)
+    except Exception:  # noqa: BLE001 - token-id-only models
+        return None
+
+
+def _eos_id(model_dir: str, tokenizer) -> int:
+    import json
+
+    with open(os.path.join(model_dir, "config.json")) as f:
+        eos = json.load(f).get("eos_token_id")
+    if isinstance(eos, list):
+        eos = eos[0]
+    if eos is None and tokenizer is not None:
+        eos = tokenizer.eos_token_id
+    if eos is None:
+        raise ValueError(f"policy.model_name {model_dir}: no eos_token_id in config.json or tokenizer")
+    return int(eos)
+
+
+def _build_engine(cfg: Config, model_dir: str, shape):
+    from megatron_grpo.rollout import ROLLOUT_ENGINES
+
+    g, p = cfg.generation, cfg.policy.precision
+    engine_cls = ROLLOUT_ENGINES.get(g.backend)
+    return engine_cls(model_dir, to_dtype(p.generation_dtype), max_model_len=g.max_model_len, seed=cfg.grpo.seed,
+                      gpu_memory_utilization=g.gpu_memory_utilization, kv_cache_gib=g.kv_cache_gib,
+                      is_moe=shape.is_moe)
+
+
+def build_logger(cfg: Config, ctx: TrainContext, start_step: int = 0):
+    from megatron_grpo.metrics_logger import MetricsLogger
+
+    lg = cfg.logger
+    return MetricsLogger(lg.log_dir, enabled=ctx.rank == 0, tensorboard=lg.tensorboard, progress_bar=lg.progress_bar,
+                         total_steps=cfg.grpo.max_num_steps, start_step=start_step)

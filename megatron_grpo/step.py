@@ -1,0 +1,143 @@
+"""One GRPO optimisation step on Megatron-Core: shadow forward, forward-backward, optimizer, probes.
+
+The forward-backward runs inside Megatron's schedule (``get_forward_backward_func``)
+with the ``(loss, num_tokens, metrics)`` loss contract and ``calculate_per_token_loss``;
+our losses are already normalised by the *global* valid-token count, so summing
+micro-batches and data-parallel ranks gives the exact global token mean.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+from megatron_grpo.config import Config, to_dtype
+from megatron_grpo.forward import PackedBatch, forward_log_probs, log_probs_from_logits, pack, precision_context
+from megatron_grpo.loss import StatSet, policy_loss_stats
+from megatron_grpo.loss.stats import masked_sum
+from megatron_grpo.rollout import Rollouts
+
+
+@dataclass
+class StepBatch:
+    """This DP rank's rows of the step's batch, plus global counts."""
+
+    packed: PackedBatch
+    old_log_probs: torch.Tensor
+    """[b, S] generator log-probs aligned with ``packed.labels``"""
+    advantages: torch.Tensor
+    """[b]"""
+    num_global_tokens: torch.Tensor
+    num_global_seqs: torch.Tensor
+
+
+def build_step_batch(rollouts: Rollouts, advantages: torch.Tensor, dp_rank: int, dp_size: int,
+                     pad_id: int) -> StepBatch:
+    """Packs all rollouts (identically on every rank) and keeps this DP rank's contiguous rows."""
+    seqs = [r.prompt_ids + r.completion_ids for r in rollouts]
+    prompt_lens = [len(r.prompt_ids) for r in rollouts]
+    packed = pack(seqs, prompt_lens, pad_id)
+    old = torch.zeros(packed.labels.shape, dtype=torch.float32)
+    for i, r in enumerate(rollouts):
+        start = prompt_lens[i] - 1
+        old[i, start : start + len(r.logprobs)] = torch.tensor(r.logprobs, dtype=torch.float32)
+    rows = packed.input_ids.shape[0] // dp_size
+    sl = slice(dp_rank * rows, (dp_rank + 1) * rows)
+    return StepBatch(packed.rows(sl), old[sl], advantages[sl].float(), packed.mask.sum().double(),
+                     packed.mask.any(-1).sum().double())
+
+
+class TrainStep:
+    """Runs the step's forwards and backward for one model (this rank's shard)."""
+
+    def __init__(self, model, optimizer, cfg: Config, tp_group, dp_group, ref_model=None):
+        self.model, self.optimizer, self.cfg = model, optimizer, cfg
+        self.tp_group, self.dp_group, self.ref_model = tp_group, dp_group, ref_model
+        p = cfg.policy.precision
+        self.params_dtype, self.compute_dtype = to_dtype(p.params_dtype), to_dtype(p.compute_dtype)
+        self.shadow_dtype = to_dtype(p.shadow_dtype)
+
+    def lowp_log_probs(self, packed: PackedBatch, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+        """No-grad log-probs at the current weights in the shadow (or given) dtype."""
+        return forward_log_probs(self.model, packed, compute_dtype=dtype or self.shadow_dtype,
+                                 params_dtype=self.params_dtype, temperature=self.cfg.generation.temperature,
+                                 tp_group=self.tp_group, micro_batch_size=self.cfg.policy.train_micro_batch_size)
+
+    def run(self, batch: StepBatch) -> Tuple[StatSet, Dict[str, torch.Tensor]]:
+        """Shadow forward -> forward-backward -> optimizer step -> deployed-improvement probe."""
+        shadow = self.lowp_log_probs(batch.packed) if self.cfg.policy.precision.needs_shadow else None
+        ref = self._ref_log_probs(batch.packed)
+        self.optimizer.zero_grad()
+        stats, train_lp = self.forward_backward(batch, shadow, ref)
+        extra = self.optimizer.step()
+        extra["train/loss_scale"] = torch.tensor(self.optimizer.loss_scale())
+        if self.cfg.grpo.deployed_improvement:
+            before = shadow if shadow is not None else train_lp
+            after = self.lowp_log_probs(batch.packed)
+            adv = batch.advantages.unsqueeze(-1).expand_as(after)
+            stats.add_sum("deployed", masked_sum((after - before).double() * torch.sign(adv).double(), batch.packed.mask))
+        return stats, extra
+
+    def _ref_log_probs(self, packed: PackedBatch) -> Optional[torch.Tensor]:
+        if self.ref_model is None:
+            return None
+        return forward_log_probs(self.ref_model, packed, compute_dtype=self.compute_dtype,
+                                 params_dtype=self.params_dtype, temperature=self.cfg.generation.temperature,
+                                 tp_group=self.tp_group, micro_batch_size=self.cfg.policy.train_micro_batch_size)
+
+    def forward_backward(self, batch: StepBatch, shadow, ref) -> Tuple[StatSet, torch.Tensor]:
+        """Megatron's schedule over micro-batches; returns merged stats and the trainer's log-probs."""
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        mbs = self.cfg.policy.train_micro_batch_size
+        rows = batch.packed.input_ids.shape[0]
+        slices = [slice(i, min(i + mbs, rows)) for i in range(0, rows, mbs)]
+        stats, log_probs = StatSet(), []
+        self._set_grad_scale()
+
+        def loss_func(sl, logits):
+            lp = log_probs_from_logits(logits, batch.packed.labels[sl], self.cfg.generation.temperature,
+                                       self.tp_group, self.cfg.policy.logprob_chunk_size)
+            mask = batch.packed.mask[sl]
+            loss, s = policy_loss_stats(
+                lp, batch.old_log_probs[sl], batch.advantages[sl], mask, self.cfg.loss_fn,
+                shadow_log_probs=shadow[sl] if shadow is not None else lp.detach(),
+                ref_log_probs=ref[sl] if ref is not None else None, num_global_tokens=batch.num_global_tokens,
+                num_global_seqs=batch.num_global_seqs, dp_group=self.dp_group)
+            stats.merge(s)
+            log_probs.append(lp.detach())
+            return loss, mask.sum(), {}
+
+        def forward_step(data_iterator, model):
+            sl = next(data_iterator)
+            with precision_context(self.compute_dtype, self.params_dtype):
+                from megatron_grpo.models import forward_logits
+
+                logits = forward_logits(model, batch.packed.input_ids[sl])
+            return logits, functools.partial(loss_func, sl)
+
+        get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=iter(slices), model=self.model,
+            num_microbatches=len(slices), seq_length=batch.packed.input_ids.shape[1], micro_batch_size=mbs,
+            forward_only=False)
+        return stats, torch.cat(log_probs, dim=0)
+
+    def _set_grad_scale(self) -> None:
+        from megatron_grpo.models import unwrap
+
+        scale = self.optimizer.loss_scale()
+        fn = None if scale == 1.0 else (lambda loss: loss * scale)
+        for module in (self.model, unwrap(self.model)):
+            if hasattr(module, "config"):
+                module.config.grad_scale_func = fn
+
+
+def rollout_metrics(rollouts: Rollouts, rewards: torch.Tensor) -> Dict[str, torch.Tensor]:
+    """Reward and length metrics (identical on every rank: rollouts are broadcast)."""
+    lengths = torch.tensor([len(r.completion_ids) for r in rollouts], dtype=torch.float32)
+    return {"reward/mean": rewards.mean(), "reward/std": rewards.std(unbiased=False),
+            "completion/length_mean": lengths.mean(),
+            "completion/eos_fraction": torch.tensor(sum(r.finish_reason == "stop" for r in rollouts) / len(rollouts))}

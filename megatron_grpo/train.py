@@ -1,0 +1,207 @@
+"""GRPO training loop: ``megatron-grpo train RECIPE.yaml [key=value ...]``.
+
+prompts -> rollouts (n per prompt, generator at version j) -> rewards -> advantages ->
+[reference log-probs] -> shadow forward + Megatron forward-backward + optimizer ->
+deployed-improvement probe -> weight push + parity probe -> metrics.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from typing import Dict, List, Optional, Sequence
+
+import torch
+
+from megatron_grpo.config import Config, to_dtype, to_dict
+from megatron_grpo.parallel.state import Layout
+
+logger = logging.getLogger(__name__)
+
+
+def layout_of(cfg: Config, world_size: int) -> Layout:
+    m = cfg.policy.megatron_cfg
+    return Layout(world_size=world_size, tp=m.tensor_model_parallel_size, pp=m.pipeline_model_parallel_size,
+                  ep=m.expert_model_parallel_size, etp=m.expert_tensor_parallel_size, cp=m.context_parallel_size)
+
+
+def resolve_model_dir(cfg: Config) -> str:
+    """``policy.model_name`` or the embedded tiny model; missing dirs are a clear error."""
+    from megatron_grpo.models.tiny import default_model_dir
+
+    path = cfg.policy.model_name or default_model_dir()
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise FileNotFoundError(f"policy.model_name: {path} is not a Hugging Face checkpoint dir (no config.json)")
+    return path
+
+
+class GRPOTrainer:
+    """Owns the model, optimizer, generator and logger of one run."""
+
+    def __init__(self, cfg: Config):
+        from megatron_grpo import setup
+
+        self.cfg = cfg
+        self.ctx = setup.build_context(cfg)
+        self.step, self.version = 0, 0
+        self.dropped_stale = 0
+        self._pending = None
+        self.logger = setup.build_logger(cfg, self.ctx, start_step=self.step)
+
+    def train(self) -> None:
+        """Runs ``grpo.max_num_steps`` steps."""
+        self.check_parity(force=True)
+        try:
+            while self.step < self.cfg.grpo.max_num_steps:
+                metrics = self.train_step()
+                self.step += 1
+                self.logger.log(self.step, metrics)
+        finally:
+            self.close()
+
+    def train_step(self) -> Dict[str, float]:
+        from megatron_grpo.loss import ADVANTAGE_ESTIMATORS, finalize
+        from megatron_grpo.metrics_logger import to_host
+        from megatron_grpo.step import build_step_batch, rollout_metrics
+
+        started = time.perf_counter()
+        rollouts = self.next_rollouts()
+        t_gen = time.perf_counter() - started
+        rewards = self.score(rollouts)
+        advantages = ADVANTAGE_ESTIMATORS.get(self.cfg.grpo.advantage_estimator)(
+            rewards, self.cfg.grpo.num_generations_per_prompt)
+        batch = build_step_batch(rollouts, advantages, self.ctx.dp_rank, self.ctx.dp_size, self.ctx.pad_id)
+        stats, extra = self.ctx.stepper.run(batch)
+        self.version += 1
+        sync = self.push_weights()
+        metrics = finalize(*stats.reduce(self.ctx.dp_group))
+        metrics.update(extra)
+        metrics.update(rollout_metrics(rollouts, rewards))
+        metrics.update(sync)
+        metrics["rollout/dropped_stale"] = torch.tensor(float(self.dropped_stale))
+        metrics["rollout/policy_version_lag"] = torch.tensor(float(self.version - 1 - rollouts.items[0].policy_version))
+        metrics["time/generate_s"] = torch.tensor(t_gen)
+        metrics["time/step_s"] = torch.tensor(time.perf_counter() - started)
+        return to_host(metrics)
+
+    # ---- rollouts -----------------------------------------------------------------------------------------
+
+    def next_rollouts(self):
+        """Rollouts for this step from the generator (rank 0), broadcast to every rank.
+
+        With ``generation.max_staleness >= 1`` the next step's generation is started
+        before this step trains (weights one version older); rollouts older than
+        ``max_staleness`` versions are dropped, counted and regenerated.
+        """
+        from megatron_grpo.parallel import comm
+
+        rollouts = None
+        if self.ctx.engine is not None:
+            rollouts = self._collect_fresh()
+            if self.cfg.generation.max_staleness > 0 and self.step + 1 < self.cfg.grpo.max_num_steps:
+                self._pending = self._submit(self.step + 1)
+        return comm.broadcast_object(rollouts, src=0)
+
+    def _collect_fresh(self):
+        while True:
+            handle, self._pending = (self._pending or self._submit(self.step)), None
+            rollouts = self.ctx.engine.collect(handle)
+            if self.version - rollouts.items[0].policy_version <= self.cfg.generation.max_staleness:
+                return rollouts
+            self.dropped_stale += len(rollouts)
+
+    def _submit(self, step: int):
+        from megatron_grpo.rollout import Sampling
+
+        g = self.cfg.generation
+        prompts = self.ctx.sampler.next(self.cfg.grpo.num_prompts_per_step)
+        sampling = Sampling(max_tokens=g.max_new_tokens, temperature=g.temperature, top_p=g.top_p, top_k=g.top_k,
+                            seed=self.cfg.grpo.seed * 1_000_003 + step * 10_007, stop_token_ids=(self.ctx.eos_id,))
+        return self.ctx.engine.submit_generate(prompts, self.cfg.grpo.num_generations_per_prompt, sampling)
+
+    def score(self, rollouts) -> torch.Tensor:
+        from megatron_grpo.rewards import compute_rewards
+
+        ids = [r.completion_ids for r in rollouts]
+        texts = self.ctx.decode(ids)
+        return compute_rewards(self.ctx.reward_fn, self.cfg.reward.name, self.step + 1, ids, texts,
+                               [r.prompt_ids for r in rollouts])
+
+    # ---- weights --------------------------------------------------------------------------------------------
+
+    def push_weights(self) -> Dict[str, torch.Tensor]:
+        """Pushes the new weights to the generator and runs the parity probe when due."""
+        from megatron_grpo.rollout.weight_sync import push_weights
+
+        report = push_weights(self.ctx.model, self.ctx.shape, self.ctx.engine, self.version,
+                              dtype=to_dtype(self.cfg.policy.precision.generation_dtype),
+                              bucket_mb=self.cfg.generation.weight_push_bucket_mb)
+        self._last_push_names = report.names
+        out = {"sync/push_s": torch.tensor(report.seconds)}
+        out.update(self.check_parity())
+        return out
+
+    def check_parity(self, force: bool = False) -> Dict[str, torch.Tensor]:
+        from megatron_grpo.parallel import comm
+        from megatron_grpo.rollout.parity import DEFAULT_TOLERANCE, ParityError, check_parity
+
+        every = self.cfg.generation.parity_probe_every
+        if every == 0 or (not force and self.version % every):
+            return {}
+        gen_dtype = to_dtype(self.cfg.policy.precision.generation_dtype)
+        tol = self.cfg.generation.parity_tolerance or DEFAULT_TOLERANCE[gen_dtype]
+        scores = self.ctx.trainer_scores(gen_dtype)
+        result = None
+        if self.ctx.engine is not None:
+            try:
+                result = check_parity(self.ctx.engine, self.ctx.probe, scores, getattr(self, "_last_push_names", []),
+                                      tol, self.version)
+            except ParityError as exc:
+                result = str(exc)
+        else:
+            scores(self.ctx.probe)  # the trainer forward is collective over TP
+        result = comm.broadcast_object(result, src=0)
+        if isinstance(result, str):
+            raise ParityError(result)
+        return {k: torch.tensor(v) for k, v in result.items()}
+
+    def close(self) -> None:
+        self.logger.close()
+        if self.ctx.engine is not None:
+            self.ctx.engine.close()
+
+
+def describe_layout(cfg: Config, world_size: int) -> Dict:
+    """The resolved config and parallel layout, validated without building anything heavy."""
+    from megatron_grpo.models.qwen3 import load_hf_config, shape_from_hf
+    from megatron_grpo.parallel.state import validate_layout
+
+    layout = layout_of(cfg, world_size)
+    model_dir = cfg.policy.model_name
+    shape = shape_from_hf(load_hf_config(model_dir)) if model_dir and os.path.isdir(model_dir) else None
+    validate_layout(layout, num_layers=shape.num_layers if shape else None,
+                    num_experts=shape.num_experts if shape else None,
+                    num_query_groups=shape.num_kv_heads if shape else None)
+    return {"config": to_dict(cfg), "layout": {"world_size": layout.world_size, "tp": layout.tp, "pp": layout.pp,
+                                               "cp": layout.cp, "ep": layout.ep, "etp": layout.etp, "dp": layout.dp}}
+
+
+def main(recipe: str, overrides: Sequence[str], dry_run: bool = False) -> int:
+    """CLI entry: load + validate the recipe, then train (or print the dry run)."""
+    from megatron_grpo.recipe import load_recipe
+
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    try:
+        cfg = load_recipe(recipe, overrides)
+        if dry_run:
+            print(json.dumps(describe_layout(cfg, world_size), indent=2))
+            return 0
+        trainer = GRPOTrainer(cfg)
+    except (ValueError, FileNotFoundError) as exc:
+        logger.error("%s", exc)
+        print(f"error: {exc}", flush=True)
+        return 2
+    trainer.train()
+    return 0
