@@ -41,7 +41,8 @@ class Optimizer:
 
     def __init__(self, model: torch.nn.Module, cfg: OptimizerConfig, precision: PrecisionConfig):
         self.cfg = cfg
-        self.params: List[torch.nn.Parameter] = [p for p in model.parameters() if p.requires_grad]
+        self.named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self.params: List[torch.nn.Parameter] = [p for _, p in self.named]
         self.half = any(p.dtype != torch.float32 for p in self.params)
         self.master = [p.detach().float().clone().requires_grad_(True) for p in self.params] if self.half else self.params
         self.adam = torch.optim.AdamW(self.master, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
@@ -62,7 +63,7 @@ class Optimizer:
 
     def step(self) -> Dict[str, torch.Tensor]:
         """Reduces grads over DP, unscales, clips, steps (unless non-finite). Returns grad-norm metrics."""
-        grad_utils.all_reduce_gradients(self.params)
+        grad_utils.all_reduce_gradients(self.named)
         scale = self.loss_scale()
         if scale != 1.0:
             for p in self.params:

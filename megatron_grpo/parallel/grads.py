@@ -28,11 +28,20 @@ def _sum_flat(grads: List[torch.Tensor], group) -> None:
         g.copy_(reduced)
 
 
-def all_reduce_gradients(params: Iterable[torch.nn.Parameter]) -> None:
-    """Sums ``.grad`` over data-parallel ranks (expert params over expert-data-parallel ranks)."""
+def _tp_partial(name: str, param) -> bool:
+    """Replicated params whose gradient each TP rank sees only in part: QK-norm weights are
+    shared by all heads but each rank normalises only its own heads (Megatron sums these
+    over TP in ``finalize_model_grads``), and sequence-parallel norms."""
+    return "q_layernorm" in name or "k_layernorm" in name or getattr(param, "sequence_parallel", False)
+
+
+def all_reduce_gradients(named_params: Iterable) -> None:
+    """Sums partial TP grads over TP, then ``.grad`` over data-parallel ranks (experts: expert-DP)."""
     from megatron.core import parallel_state as ps
 
-    params = [p for p in params if p.grad is not None]
+    named = [(n, p) for n, p in named_params if p.grad is not None]
+    _sum_flat([p.grad for n, p in named if _tp_partial(n, p)], ps.get_tensor_model_parallel_group())
+    params = [p for _, p in named]
     _sum_flat([p.grad for p in params if not _is_expert(p)], ps.get_data_parallel_group())
     _sum_flat([p.grad for p in params if _is_expert(p)], ps.get_expert_data_parallel_group())
 
