@@ -45,8 +45,10 @@ class GRPOTrainer:
 
         self.cfg = cfg
         self.ctx = setup.build_context(cfg)
+        from megatron_grpo.rollout.staleness import StalenessGate
+
         self.step, self.version = 0, 0
-        self.dropped_stale = 0
+        self.gate = StalenessGate(cfg.generation.max_staleness)
         self._pending = None
         self.logger = setup.build_logger(cfg, self.ctx, start_step=self.step)
 
@@ -80,7 +82,7 @@ class GRPOTrainer:
         metrics.update(extra)
         metrics.update(rollout_metrics(rollouts, rewards))
         metrics.update(sync)
-        metrics["rollout/dropped_stale"] = torch.tensor(float(self.dropped_stale))
+        metrics["rollout/dropped_stale"] = torch.tensor(float(self.gate.dropped))
         metrics["rollout/policy_version_lag"] = torch.tensor(float(self.version - 1 - rollouts.items[0].policy_version))
         metrics["time/generate_s"] = torch.tensor(t_gen)
         metrics["time/step_s"] = torch.tensor(time.perf_counter() - started)
@@ -108,9 +110,8 @@ class GRPOTrainer:
         while True:
             handle, self._pending = (self._pending or self._submit(self.step)), None
             rollouts = self.ctx.engine.collect(handle)
-            if self.version - rollouts.items[0].policy_version <= self.cfg.generation.max_staleness:
+            if self.gate.accept(rollouts.items[0].policy_version, self.version, len(rollouts)):
                 return rollouts
-            self.dropped_stale += len(rollouts)
 
     def _submit(self, step: int):
         from megatron_grpo.rollout import Sampling
