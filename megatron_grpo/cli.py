@@ -44,7 +44,7 @@ def _parity_demo(args) -> int:
 def _train(args) -> int:
     from megatron_grpo.train import main as train_main
 
-    return train_main(args.recipe, args.overrides, dry_run=args.dry_run)
+    return train_main(args.recipe, args.overrides, dry_run=args.dry_run, world_size=args.world_size)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -54,6 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("recipe", help="recipe YAML, e.g. recipes/grpo-tiny-eos-cpu.yaml")
     train.add_argument("overrides", nargs="*", help="key=value overrides, e.g. grpo.max_num_steps=3")
     train.add_argument("--dry-run", action="store_true", help="print the resolved config and layout, build nothing")
+    train.add_argument("--world-size", type=int, default=None,
+                       help="with --dry-run: validate the layout for this many ranks (default: $WORLD_SIZE or 1)")
     train.set_defaults(func=_train)
     tiny = sub.add_parser("make-tiny-model", help="write a random-init tiny Qwen3(-MoE) HF checkpoint + tokenizer")
     tiny.add_argument("out_dir")

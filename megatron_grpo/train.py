@@ -189,11 +189,11 @@ def describe_layout(cfg: Config, world_size: int) -> Dict:
                                                "cp": layout.cp, "ep": layout.ep, "etp": layout.etp, "dp": layout.dp}}
 
 
-def main(recipe: str, overrides: Sequence[str], dry_run: bool = False) -> int:
+def main(recipe: str, overrides: Sequence[str], dry_run: bool = False, world_size: Optional[int] = None) -> int:
     """CLI entry: load + validate the recipe, then train (or print the dry run)."""
     from megatron_grpo.recipe import load_recipe
 
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    world_size = world_size or int(os.environ.get("WORLD_SIZE", "1"))
     try:
         cfg = load_recipe(recipe, overrides)
         if dry_run:

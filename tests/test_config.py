@@ -1,0 +1,90 @@
+"""Recipe schema and loading: inheritance, overrides, errors naming the key and file, dry runs."""
+
+import glob
+import json
+import logging
+import os
+import subprocess
+import sys
+
+import pytest
+
+from megatron_grpo.config import Config, PrecisionConfig, from_dict
+from megatron_grpo.recipe import load_recipe
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RECIPES = sorted(glob.glob(os.path.join(ROOT, "recipes", "*.yaml")))
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=os.path.basename)
+def test_every_recipe_loads(path):
+    cfg = load_recipe(path)
+    assert isinstance(cfg, Config)
+
+
+def test_defaults_inheritance_and_overrides(tmp_path):
+    base = tmp_path / "base.yaml"
+    base.write_text("grpo: {max_num_steps: 5, seed: 1}\nlogger: {log_dir: a}\n")
+    child = tmp_path / "child.yaml"
+    child.write_text("defaults: base.yaml\ngrpo: {max_num_steps: 7}\nlogger: {log_dir: \"${grpo.seed}-run\"}\n")
+    cfg = load_recipe(str(child), ["grpo.seed=3", "loss_fn.ratio=shadow"])
+    assert (cfg.grpo.max_num_steps, cfg.grpo.seed, cfg.loss_fn.ratio) == (7, 3, "shadow")
+    assert cfg.logger.log_dir == "3-run"
+
+
+def test_write_up_variants_change_one_thing():
+    b = load_recipe(os.path.join(ROOT, "recipes", "grpo-qwen3-0.6b-eos-B.yaml"))
+    g = load_recipe(os.path.join(ROOT, "recipes", "grpo-qwen3-0.6b-eos-G.yaml"))
+    a = load_recipe(os.path.join(ROOT, "recipes", "grpo-qwen3-0.6b-eos-A.yaml"))
+    assert (b.policy.precision.compute_dtype, b.policy.precision.generation_dtype) == ("float32", "bfloat16")
+    assert (g.loss_fn.ratio, g.policy.precision.shadow_dtype) == ("shadow", "bfloat16")
+    assert a.policy.precision.compute_dtype == a.policy.precision.generation_dtype == "bfloat16"
+    assert b.policy.optimizer.lr == 1e-6 and b.loss_fn.ratio_clip_max == 0.2
+
+
+def test_unknown_key_names_key_and_file(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("defaults: " + os.path.join(ROOT, "recipes", "grpo-base.yaml") + "\npolicy: {learning_rate: 1}\n")
+    with pytest.raises(ValueError, match=r"policy.learning_rate.*bad.yaml"):
+        load_recipe(str(bad))
+    with pytest.raises(ValueError, match=r"grpo.stepz.*command-line overrides"):
+        load_recipe(RECIPES[0], ["grpo.stepz=3"])
+
+
+def test_wrong_type_and_bad_values_name_the_key():
+    with pytest.raises(ValueError, match="grpo.max_num_steps: expected int"):
+        from_dict(Config, {"grpo": {"max_num_steps": "ten"}})
+    with pytest.raises(ValueError, match="policy.precision.compute_dtype"):
+        from_dict(Config, {"policy": {"precision": {"compute_dtype": "fp8"}}})
+    with pytest.raises(ValueError, match="wider than params_dtype"):
+        PrecisionConfig(params_dtype="bfloat16", compute_dtype="float32")
+    with pytest.raises(ValueError, match="override 'grpo.seed' is not key=value"):
+        load_recipe(RECIPES[0], ["grpo.seed"])
+
+
+def test_precision_defaults_are_matched_and_mismatch_warns(caplog):
+    p = PrecisionConfig(compute_dtype="bfloat16")
+    assert p.generation_dtype == p.shadow_dtype == "bfloat16" and not p.needs_shadow
+    with caplog.at_level(logging.WARNING):
+        from_dict(Config, {"policy": {"precision": {"generation_dtype": "bfloat16"}}})
+    assert "phantom clipping is expected" in caplog.text and "loss_fn.ratio=shadow" in caplog.text
+    assert PrecisionConfig(generation_dtype="bfloat16").needs_shadow
+
+
+@pytest.mark.parametrize("recipe, world, expect", [
+    ("grpo-qwen3-30b-a3b-2x8gpu.yaml", 16, {"tp": 2, "ep": 8, "dp": 8}),
+    ("grpo-qwen3-235b-a22b-8x8gpu.yaml", 64, {"tp": 4, "pp": 2, "ep": 8, "dp": 8}),
+    ("grpo-qwen3-0.6b-eos-B.yaml", 8, {"tp": 1, "dp": 8}),
+])
+def test_cluster_recipes_dry_run(recipe, world, expect):
+    out = subprocess.run([sys.executable, "-m", "megatron_grpo", "train", f"recipes/{recipe}", "--dry-run",
+                          "--world-size", str(world)], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    layout = json.loads(out.stdout[out.stdout.index("{"):])["layout"]
+    assert {k: layout[k] for k in expect} == expect
+
+
+def test_dry_run_rejects_impossible_layout():
+    out = subprocess.run([sys.executable, "-m", "megatron_grpo", "train", "recipes/grpo-qwen3-235b-a22b-8x8gpu.yaml",
+                          "--dry-run", "--world-size", "12"], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert out.returncode != 0 and "does not divide" in out.stdout + out.stderr

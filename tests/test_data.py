@@ -1,0 +1,34 @@
+"""Prompt loading and the resumable seeded sampler."""
+
+import json
+
+import pytest
+
+from megatron_grpo.data import PromptSampler, load_prompts
+
+
+def test_jsonl_prompts_text_and_ids(tmp_path, tiny_dense):
+    path = tmp_path / "p.jsonl"
+    path.write_text(json.dumps({"prompt": "the water is hot"}) + "\n\n" + json.dumps({"prompt_token_ids": [3, 4]}) + "\n")
+    prompts = load_prompts(str(path), tiny_dense, 0, 1024, 0)
+    assert len(prompts) == 2 and prompts[1] == [3, 4] and len(prompts[0]) > 0
+
+
+@pytest.mark.parametrize("content, match", [("{bad json", "not JSON"), ('{"x": 1}', "needs 'prompt'"), ("", "no prompts")])
+def test_bad_prompt_files_name_the_file(tmp_path, content, match):
+    path = tmp_path / "p.jsonl"
+    path.write_text(content)
+    with pytest.raises(ValueError, match=match):
+        load_prompts(str(path), "/nonexistent", 0, 1024, 0)
+    with pytest.raises(FileNotFoundError, match="data.prompts_file"):
+        load_prompts(str(tmp_path / "missing.jsonl"), "/nonexistent", 0, 1024, 0)
+
+
+def test_synthetic_prompts_and_resumable_sampler(tiny_dense):
+    prompts = load_prompts(None, tiny_dense, 10, 1024, 0)
+    assert len(prompts) == 10
+    a = PromptSampler(prompts, seed=1)
+    first = a.next(7) + a.next(7)
+    b = PromptSampler(prompts, seed=1, position=7)
+    assert b.next(7) == first[7:]
+    assert sorted(map(tuple, first[:10])) == sorted(map(tuple, prompts))  # an epoch covers every prompt once
