@@ -16,8 +16,8 @@ import torch
 
 from megatron_grpo.parallel import comm
 
-DEFAULT_CHUNK_SIZE = 1024
-"""Tokens per fp32 chunk when ``chunk_size`` is None: 1024 x 151,936 x 4 B = 0.6 GB."""
+DEFAULT_CHUNK_SIZE = 512
+"""Tokens per fp32 chunk when ``chunk_size`` is None: 512 x 151,936 x 4 B = 0.3 GB."""
 
 
 def _shard_range(vocab_local: int, tp_group) -> Tuple[int, int]:
@@ -27,23 +27,25 @@ def _shard_range(vocab_local: int, tp_group) -> Tuple[int, int]:
 
 
 def _chunk_stats(logits_chunk: torch.Tensor, labels_chunk: torch.Tensor, start: int, tp_group, want_entropy: bool):
-    """Forward of one chunk: returns (target_logit - lse, lse, entropy or None), all fp32 ``[c]``."""
-    x = logits_chunk.float()
-    local_max = x.max(dim=-1).values
-    global_max = comm.all_reduce_max(local_max.clone(), tp_group)
-    x = x - global_max.unsqueeze(-1)
-    exp_x = x.exp()
-    sum_exp = comm.all_reduce_sum(exp_x.sum(dim=-1), tp_group)
+    """Forward of one chunk: returns (target_logit - lse, lse, entropy or None), all fp32 ``[c]``.
+
+    Holds one fp32 copy of the chunk (two with ``want_entropy``): shifted logits are
+    exponentiated in place after the target logit has been read.
+    """
+    x = logits_chunk.to(torch.float32, copy=True)  # a copy even for fp32 input: modified in place below
+    global_max = comm.all_reduce_max(x.max(dim=-1).values, tp_group)
+    x.sub_(global_max.unsqueeze(-1))
     local_ids = labels_chunk - start
     in_shard = (local_ids >= 0) & (local_ids < x.shape[-1])
     picked = x.gather(-1, local_ids.clamp(0, x.shape[-1] - 1).unsqueeze(-1)).squeeze(-1)
     target = comm.all_reduce_sum(torch.where(in_shard, picked, torch.zeros_like(picked)), tp_group)
+    p_x = (x.exp() * x).sum(dim=-1) if want_entropy else None
+    sum_exp = comm.all_reduce_sum(x.exp_().sum(dim=-1), tp_group)
     log_z = sum_exp.log()
     entropy = None
     if want_entropy:
-        # H = log Z - sum_v p_v * x_v  (x already shifted by the max)
-        p_x = comm.all_reduce_sum((exp_x * x).sum(dim=-1), tp_group) / sum_exp
-        entropy = log_z - p_x
+        # H = log Z - sum_v p_v * x_v  (x shifted by the max)
+        entropy = log_z - comm.all_reduce_sum(p_x, tp_group) / sum_exp
     return target - log_z, log_z + global_max, entropy
 
 
