@@ -115,9 +115,16 @@ def _load(llm, payload, requests):
 
 
 def _repack_moe(worker) -> None:
-    """CPU fused-MoE layers keep unpacked expert weights after reload: redo their post-load step."""
+    """CPU fused-MoE layers keep the raw expert layout after ``reload_weights``.
+
+    vLLM 0.32 prepacks experts into the CPU grouped-GEMM layout only on the first
+    load (``UnquantizedFusedMoEMethod._setup_kernel`` skips the kernel's own
+    ``process_weights_after_loading`` on weight updates); run that step again.
+    """
     model = worker.model_runner.model
     for module in model.modules():
         method = getattr(module, "quant_method", None)
-        if type(module).__name__ == "FusedMoE" and method is not None:
-            method.process_weights_after_loading(module)
+        kernel = getattr(method, "moe_kernel", None)
+        experts = getattr(kernel, "fused_experts", None)
+        if hasattr(module, "w13_weight") and hasattr(experts, "process_weights_after_loading"):
+            experts.process_weights_after_loading(module)
