@@ -152,7 +152,12 @@ class GenerationConfig:
     """The rollout engine."""
 
     backend: str = "vllm"
-    """Rollout engine name (registry ``megatron_grpo.rollout.ROLLOUT_ENGINES``)."""
+    """Rollout engine: ``vllm`` (offline engine in a generator process) or ``vllm_server``
+    (vLLM's OpenAI-compatible server; launched on 127.0.0.1 unless ``server_url`` is set)."""
+    server_url: Optional[str] = None
+    """``vllm_server`` only: URL of a running server (disaggregated); null = launch one locally."""
+    retry_timeout_s: float = 60.0
+    """``vllm_server`` only: how long a dead or restarting server is retried before the run stops."""
     max_new_tokens: int = 32
     """Completion length cap."""
     temperature: float = 1.0

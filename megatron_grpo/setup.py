@@ -153,9 +153,10 @@ def _build_engine(cfg: Config, model_dir: str, shape):
 
     g, p = cfg.generation, cfg.policy.precision
     engine_cls = ROLLOUT_ENGINES.get(g.backend)
+    extra = dict(url=g.server_url, retry_timeout_s=g.retry_timeout_s) if g.backend == "vllm_server" else {}
     return engine_cls(model_dir, to_dtype(p.generation_dtype), max_model_len=g.max_model_len, seed=cfg.grpo.seed,
                       gpu_memory_utilization=g.gpu_memory_utilization, kv_cache_gib=g.kv_cache_gib,
-                      is_moe=shape.is_moe)
+                      is_moe=shape.is_moe, **extra)
 
 
 def build_logger(cfg: Config, ctx: TrainContext, start_step: int = 0):

@@ -1,0 +1,196 @@
+"""vLLM server backend: the same engine behind vLLM's OpenAI-compatible server.
+
+For disaggregated runs the generator lives in another process or node: ``url`` points
+at a running server, or the engine launches one on 127.0.0.1. Generation and scoring
+use ``/v1/completions`` with token-id prompts; weights are pushed bucket by bucket
+(each a safetensors file under /dev/shm) through the dev-mode ``/collective_rpc``
+endpoint into our worker extension, then ``/reset_prefix_cache``. Every request is
+retried with back-off for at most ``retry_timeout_s``; a dead server ends in a
+``GeneratorError`` that says so, never a hang.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from typing import Iterable, List, Optional, Sequence, Tuple
+
+import torch
+
+from megatron_grpo.rollout.types import Rollout, RolloutEngine, Rollouts, Sampling
+from megatron_grpo.rollout.vllm_engine import DTYPE_NAMES, GeneratorError
+
+logger = logging.getLogger(__name__)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class VLLMServerEngine(RolloutEngine):
+    """Client of a vLLM OpenAI-compatible server (launched here unless ``url`` is given)."""
+
+    def __init__(self, model_dir: str, dtype: torch.dtype, *, url: Optional[str] = None, max_model_len: int = 512,
+                 seed: int = 0, kv_cache_gib: int = 1, gpu_memory_utilization: float = 0.5,
+                 start_timeout_s: float = 600.0, request_timeout_s: float = 600.0, retry_timeout_s: float = 60.0,
+                 is_moe: bool = False, log_path: Optional[str] = None):
+        self.dtype, self.model_dir, self.is_moe = dtype, model_dir, is_moe
+        self.request_timeout_s, self.retry_timeout_s = request_timeout_s, retry_timeout_s
+        self._proc = None
+        if url is None:
+            port = _free_port()
+            self.url = f"http://127.0.0.1:{port}"
+            self._launch(port, max_model_len, seed, kv_cache_gib, gpu_memory_utilization, log_path)
+        else:
+            self.url = url.rstrip("/")
+        self._wait_healthy(start_timeout_s)
+
+    def _launch(self, port, max_model_len, seed, kv_cache_gib, gpu_memory_utilization, log_path) -> None:
+        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model_dir,
+               "--dtype", DTYPE_NAMES[self.dtype], "--host", "127.0.0.1", "--port", str(port), "--enforce-eager",
+               "--max-model-len", str(max_model_len), "--logprobs-mode", "processed_logprobs", "--seed", str(seed),
+               "--distributed-executor-backend", "uni", "--gpu-memory-utilization", str(gpu_memory_utilization),
+               "--worker-extension-cls", "megatron_grpo.rollout.server_ext.WeightLoaderExtension"]
+        env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                                 "MASTER_PORT", "LOCAL_WORLD_SIZE")}
+        env.update(VLLM_SERVER_DEV_MODE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0",
+                   VLLM_CPU_KVCACHE_SPACE=str(max(1, int(kv_cache_gib))))
+        self._log_path = log_path or tempfile.mktemp(prefix="megatron-grpo-vllm-server-", suffix=".log")
+        self._log = open(self._log_path, "w")
+        self._proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env,
+                                      start_new_session=True)
+
+    def _wait_healthy(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self._proc is not None and self._proc.poll() is not None:
+                raise GeneratorError(f"vLLM server exited with code {self._proc.returncode} during start-up; "
+                                     f"log: {self._log_path}\n{self._log_tail()}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=5) as resp:
+                    if resp.status == 200:
+                        logger.info("vLLM server at %s is healthy", self.url)
+                        return
+            except (urllib.error.URLError, ConnectionError, OSError):
+                pass
+            time.sleep(1.0)
+        raise GeneratorError(f"vLLM server at {self.url} not healthy within {timeout_s:.0f} s")
+
+    def _log_tail(self, lines: int = 20) -> str:
+        try:
+            with open(self._log_path) as f:
+                return "".join(f.readlines()[-lines:])
+        except OSError:
+            return ""
+
+    def _post(self, path: str, body: dict):
+        """POST with bounded retries: connection errors and 5xx are retried for ``retry_timeout_s``."""
+        data = json.dumps(body).encode()
+        deadline, attempts, last = time.monotonic() + self.retry_timeout_s, 0, None
+        while True:
+            attempts += 1
+            try:
+                req = urllib.request.Request(self.url + path, data=data, headers={"Content-Type": "application/json"})
+                with urllib.request.urlopen(req, timeout=self.request_timeout_s) as resp:
+                    raw = resp.read()
+                    return json.loads(raw) if raw else None
+            except urllib.error.HTTPError as exc:
+                if exc.code < 500:
+                    raise GeneratorError(f"vLLM server {self.url}{path} refused the request ({exc.code}): "
+                                         f"{exc.read().decode(errors='replace')[:2000]}") from exc
+                last = exc
+            except (urllib.error.URLError, ConnectionError, OSError) as exc:
+                last = exc
+            if time.monotonic() > deadline:
+                raise GeneratorError(f"vLLM server {self.url} did not answer {path} after {attempts} attempts over "
+                                     f"{self.retry_timeout_s:.0f} s (dead or restarting): {last}")
+            time.sleep(min(2.0, 0.2 * attempts))
+
+    def generate(self, prompt_token_ids: Sequence[Sequence[int]], n: int, sampling: Sampling) -> Rollouts:
+        def one_sample(j: int):
+            body = dict(model=self.model_dir, prompt=[list(p) for p in prompt_token_ids], max_tokens=sampling.max_tokens,
+                        temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k, logprobs=0,
+                        return_token_ids=True, stop_token_ids=list(sampling.stop_token_ids) or None,
+                        seed=None if sampling.seed is None else sampling.seed + j)
+            return self._post("/v1/completions", body)["choices"]
+
+        with ThreadPoolExecutor(max_workers=min(n, 16)) as pool:
+            per_sample = list(pool.map(one_sample, range(n)))
+        items = []
+        for p, prompt in enumerate(prompt_token_ids):
+            for j in range(n):
+                choice = next(c for c in per_sample[j] if c["index"] == p)
+                ids = list(choice["token_ids"])
+                items.append(Rollout(prompt_index=p, prompt_ids=list(prompt), completion_ids=ids,
+                                     logprobs=list(choice["logprobs"]["token_logprobs"])[: len(ids)],
+                                     finish_reason=str(choice["finish_reason"]), policy_version=self.policy_version))
+        return Rollouts(items)
+
+    def submit_generate(self, prompt_token_ids, n, sampling):
+        """The server backend generates synchronously; the handle carries the result."""
+        return self.generate(prompt_token_ids, n, sampling)
+
+    def collect(self, handle) -> Rollouts:
+        return handle
+
+    def score(self, sequences: Sequence[Sequence[int]], prompt_lens: Sequence[int]) -> List[List[float]]:
+        body = dict(model=self.model_dir, prompt=[list(s) for s in sequences], max_tokens=1, prompt_logprobs=0,
+                    temperature=1.0)
+        choices = sorted(self._post("/v1/completions", body)["choices"], key=lambda c: c["index"])
+        out = []
+        for choice, seq, start in zip(choices, sequences, prompt_lens):
+            entries = choice["prompt_logprobs"]
+            out.append([entries[t][str(seq[t])]["logprob"] for t in range(start, len(seq))])
+        return out
+
+    def update_weights(self, buckets: Iterable[List[Tuple[str, torch.Tensor]]], version: int) -> List[str]:
+        from safetensors.torch import save_file
+
+        folder = "/dev/shm" if os.path.isdir("/dev/shm") else None
+        loaded = []
+        for bucket in buckets:
+            fd, path = tempfile.mkstemp(prefix="megatron-grpo-bucket-", suffix=".safetensors", dir=folder)
+            os.close(fd)
+            try:
+                save_file({name: t.contiguous() for name, t in bucket}, path)
+                self._post("/collective_rpc", dict(method="megatron_grpo_load",
+                                                    args=[path, "1" if self.is_moe else "0"]))
+            finally:
+                os.unlink(path)
+            loaded.extend(name for name, _ in bucket)
+        self._post("/reset_prefix_cache", {})
+        self.policy_version = version
+        return loaded
+
+    def alive(self) -> bool:
+        return self._proc is None or self._proc.poll() is None
+
+    def close(self) -> None:
+        if self._proc is None:
+            return
+        if self._proc.poll() is None:
+            self._proc.terminate()
+            try:
+                self._proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait(timeout=10)
+        self._log.close()
+        self._proc = None
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001
+            pass
