@@ -249,6 +249,9 @@ class LoggerConfig:
     """Also write TensorBoard events when tensorboard is installed."""
     progress_bar: bool = True
     """Live progress bar with reward, beta and phantom-clip fraction."""
+    token_dump_steps: List[int] = field(default_factory=list)
+    """Steps whose per-token log-probs (rollout, trainer, shadow) and advantages are written to
+    ``tokens_step<N>.json`` (rank 0's rows), for the ratio scatter of tools/plot_metrics.py."""
 
 
 @dataclass

@@ -72,6 +72,7 @@ class TrainStep:
         ref = self._ref_log_probs(batch.packed)
         self.optimizer.zero_grad()
         stats, train_lp = self.forward_backward(batch, shadow, ref)
+        self.last_log_probs = (train_lp, shadow if shadow is not None else train_lp)
         extra = self.optimizer.step()
         extra["train/loss_scale"] = torch.tensor(self.optimizer.loss_scale())
         if self.cfg.grpo.deployed_improvement:

@@ -76,6 +76,8 @@ class GRPOTrainer:
             rewards, self.cfg.grpo.num_generations_per_prompt)
         batch = build_step_batch(rollouts, advantages, self.ctx.dp_rank, self.ctx.dp_size, self.ctx.pad_id)
         stats, extra = self.ctx.stepper.run(batch)
+        if self.step + 1 in self.cfg.logger.token_dump_steps and self.ctx.rank == 0:
+            self.dump_tokens(batch)
         self.version += 1
         sync = self.push_weights()
         metrics = finalize(*stats.reduce(self.ctx.dp_group))
@@ -87,6 +89,19 @@ class GRPOTrainer:
         metrics["time/generate_s"] = torch.tensor(t_gen)
         metrics["time/step_s"] = torch.tensor(time.perf_counter() - started)
         return to_host(metrics)
+
+    def dump_tokens(self, batch) -> None:
+        """Writes this rank's valid tokens (rollout, trainer, shadow log-probs; advantage) for plots."""
+        train_lp, shadow = self.ctx.stepper.last_log_probs
+        mask = batch.packed.mask
+        adv = batch.advantages.unsqueeze(-1).expand_as(mask)
+        data = {"step": self.step + 1, "old_log_probs": batch.old_log_probs[mask].tolist(),
+                "log_probs": train_lp[mask].tolist(), "shadow_log_probs": shadow[mask].tolist(),
+                "advantages": adv[mask].tolist(), "ratio_clip_min": self.cfg.loss_fn.ratio_clip_min,
+                "ratio_clip_max": self.cfg.loss_fn.ratio_clip_max}
+        os.makedirs(self.cfg.logger.log_dir, exist_ok=True)
+        with open(os.path.join(self.cfg.logger.log_dir, f"tokens_step{self.step + 1}.json"), "w") as f:
+            json.dump(data, f)
 
     # ---- rollouts -----------------------------------------------------------------------------------------
 

@@ -28,7 +28,8 @@ def run_cli(args, log_dir, nproc=1, timeout=900):
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "-m", "megatron_grpo"]
     cmd = base + ["train", RECIPE, f"logger.log_dir={log_dir}", "logger.progress_bar=false",
                   "logger.tensorboard=false"] + list(args)
-    env = dict(os.environ, OMP_NUM_THREADS="1" if nproc > 1 else os.environ.get("OMP_NUM_THREADS", "2"))
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    env["OMP_NUM_THREADS"] = "1" if nproc > 1 else os.environ.get("OMP_NUM_THREADS", "2")
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
     path = os.path.join(log_dir, "metrics.jsonl")
     rows = [json.loads(line) for line in open(path)] if os.path.isfile(path) else []

@@ -69,13 +69,14 @@ def init_distributed(backend: Optional[str] = None) -> None:
     cpu.install()
     if dist.is_initialized():
         return
-    if "RANK" not in os.environ:
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     if cpu.cuda_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(backend=backend or cpu.default_backend())
+    if "RANK" in os.environ:  # torchrun (or a launcher that sets the env:// variables)
+        dist.init_process_group(backend=backend or cpu.default_backend())
+        return
+    # a single process: a private TCP store, without exporting RANK/MASTER_PORT to child processes
+    dist.init_process_group(backend=backend or cpu.default_backend(), init_method=f"tcp://127.0.0.1:{_free_port()}",
+                            rank=0, world_size=1)
 
 
 def initialize_model_parallel(layout: Layout, seed: int = 1234) -> None:

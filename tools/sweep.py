@@ -1,0 +1,163 @@
+"""Sweep the write-up's experiment table: runs x seeds, then ``summary.md`` + ``summary.csv``.
+
+Each run is a recipe plus ``key=value`` overrides (params dtype x compute dtype x
+generation dtype x learning rate x loss variant). Runs go in sequence on this machine,
+each as its own ``megatron-grpo train`` process (``--nproc N`` wraps it in torchrun).
+Resumable: a run whose ``metrics.jsonl`` already has all its steps is not redone.
+
+    python tools/sweep.py --grid tiny-phantom --out runs/sweep-tiny --seeds 0 1 2
+    python tools/sweep.py --grid writeup --out runs/sweep-0.6b --nproc 8      # on a GPU node
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+from typing import Dict, List, Sequence
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# The tiny model's beta (fp32 vs bf16, |beta| mean ~3e-3, see docs/results/tiny-phantom.md) is ~25x
+# smaller than Qwen3-0.6B's (0.076): the clip epsilon is scaled by the same factor (0.2 -> 0.008) so
+# that P(|beta| > eps) is of the write-up's order.
+TINY_EPS = 0.008
+_TINY = "recipes/grpo-tiny-phantom-cpu.yaml"
+_FP32_VS_BF16 = ["policy.precision.compute_dtype=float32", "policy.precision.generation_dtype=bfloat16"]
+GRIDS: Dict[str, Dict[str, List[str]]] = {
+    "tiny-phantom": {
+        "A-bf16-autocast": ["policy.precision.compute_dtype=bfloat16", "policy.precision.generation_dtype=bfloat16"],
+        "B-fp32-mismatch": _FP32_VS_BF16,
+        "F-ratio-one": _FP32_VS_BF16 + ["loss_fn.ratio=one"],
+        "G-shadow-ratio": _FP32_VS_BF16 + ["loss_fn.ratio=shadow"],
+        "no-clip": _FP32_VS_BF16 + ["loss_fn.clip=none"],
+        "detach": _FP32_VS_BF16 + ["loss_fn.clip=detach"],
+        "detach-center": _FP32_VS_BF16 + ["loss_fn.clip=detach_center"],
+        "fp16-matched": ["policy.precision.compute_dtype=float16", "policy.precision.generation_dtype=float16"],
+    },
+    "writeup": {name: [] for name in ("A", "B", "F", "G", "noclip", "detach", "detach-center", "fp16")},
+}
+COLUMNS = ["run", "seeds", "final_reward", "best_reward", "steps_to_threshold", "beta_abs_mean",
+           "phantom_fraction_steps_1_5", "deployed_improvement_mean", "kl_rollout_max"]
+
+
+def recipe_for(grid: str, run: str) -> str:
+    return _TINY if grid == "tiny-phantom" else f"recipes/grpo-qwen3-0.6b-eos-{run}.yaml"
+
+
+def command(grid: str, run: str, seed: int, log_dir: str, steps: int, nproc: int, extra: Sequence[str]) -> List[str]:
+    launcher = [sys.executable, "-m", "megatron_grpo"] if nproc == 1 else [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "-m", "megatron_grpo"]
+    overrides = GRIDS[grid][run] + [f"grpo.seed={seed}", f"logger.log_dir={log_dir}", "logger.progress_bar=false"]
+    if steps:
+        overrides.append(f"grpo.max_num_steps={steps}")
+    return launcher + ["train", recipe_for(grid, run)] + overrides + list(extra)
+
+
+def read_rows(log_dir: str) -> List[dict]:
+    path = os.path.join(log_dir, "metrics.jsonl")
+    if not os.path.isfile(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def run_one(cmd: List[str], log_dir: str, expected_steps: int) -> bool:
+    """Runs one training job unless its metrics are complete; returns True if it is complete."""
+    rows = read_rows(log_dir)
+    if expected_steps and len(rows) >= expected_steps:
+        print(f"[sweep] done already: {log_dir}")
+        return True
+    os.makedirs(log_dir, exist_ok=True)
+    print("[sweep] " + " ".join(cmd), flush=True)
+    with open(os.path.join(log_dir, "train.log"), "w") as log:
+        code = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT).returncode
+    if code != 0:
+        print(f"[sweep] FAILED ({code}): see {os.path.join(log_dir, 'train.log')}", flush=True)
+    return code == 0
+
+
+def _series(rows, key):
+    return [r[key] for r in rows if r.get(key) is not None]
+
+
+def summarize_seed(rows: List[dict], threshold: float) -> Dict[str, float]:
+    """The table's numbers for one seed's metrics rows."""
+    rewards = _series(rows, "reward/mean")
+    reach = [r["step"] for r in rows if r.get("reward/mean") is not None and r["reward/mean"] >= threshold]
+    mean = lambda xs: sum(xs) / len(xs) if xs else float("nan")  # noqa: E731
+    return {
+        "final_reward": rewards[-1] if rewards else float("nan"),
+        "best_reward": max(rewards) if rewards else float("nan"),
+        "steps_to_threshold": float(reach[0]) if reach else float("nan"),
+        "beta_abs_mean": mean(_series(rows, "precision/beta_abs_mean")),
+        "phantom_fraction_steps_1_5": mean(_series([r for r in rows if r["step"] <= 5], "clip/phantom_region_fraction")),
+        "deployed_improvement_mean": mean(_series(rows, "policy/deployed_improvement")),
+        "kl_rollout_max": max(_series(rows, "policy/kl_rollout"), default=float("nan")),
+    }
+
+
+def _fmt(values: List[float]) -> str:
+    finite = [v for v in values if not math.isnan(v)]
+    if not finite:
+        return "n/a"
+    if len(finite) == 1:
+        return f"{finite[0]:.4g}"
+    return f"{statistics.mean(finite):.4g} ± {statistics.stdev(finite):.2g}"
+
+
+def write_summary(out: str, grid: str, runs: Sequence[str], seeds: Sequence[int], threshold: float) -> List[dict]:
+    table = []
+    for run in runs:
+        per_seed = [summarize_seed(read_rows(os.path.join(out, run, f"seed{s}")), threshold) for s in seeds]
+        per_seed = [p for p in per_seed if not math.isnan(p["final_reward"])]
+        row = {"run": run, "seeds": len(per_seed)}
+        row.update({k: _fmt([p[k] for p in per_seed]) for k in COLUMNS[2:]})
+        table.append(row)
+    with open(os.path.join(out, "summary.csv"), "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=COLUMNS)
+        writer.writeheader()
+        writer.writerows(table)
+    with open(os.path.join(out, "summary.md"), "w") as f:
+        f.write(f"# Sweep `{grid}` (mean ± std over seeds; reward threshold {threshold})\n\n")
+        f.write("| " + " | ".join(COLUMNS) + " |\n|" + "---|" * len(COLUMNS) + "\n")
+        for row in table:
+            f.write("| " + " | ".join(str(row[c]) for c in COLUMNS) + " |\n")
+    return table
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--grid", choices=sorted(GRIDS), default="tiny-phantom")
+    parser.add_argument("--out", required=True, help="sweep folder (run/seedK/metrics.jsonl, summary.*)")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0])
+    parser.add_argument("--steps", type=int, default=0, help="override grpo.max_num_steps (0 = the recipe's)")
+    parser.add_argument("--runs", nargs="*", default=None, help="subset of the grid's runs")
+    parser.add_argument("--threshold", type=float, default=-4.0, help="reward counted as 'reached'")
+    parser.add_argument("--nproc", type=int, default=1, help="ranks per run (torchrun)")
+    parser.add_argument("--summary-only", action="store_true", help="rewrite summary.* from existing metrics")
+    parser.add_argument("overrides", nargs="*", help="extra key=value overrides for every run")
+    args = parser.parse_args(argv)
+    runs = args.runs or list(GRIDS[args.grid])
+    unknown = [r for r in runs if r not in GRIDS[args.grid]]
+    if unknown:
+        parser.error(f"unknown runs {unknown}; grid {args.grid} has {list(GRIDS[args.grid])}")
+    ok = True
+    if not args.summary_only:
+        for run in runs:
+            for seed in args.seeds:
+                log_dir = os.path.abspath(os.path.join(args.out, run, f"seed{seed}"))
+                cmd = command(args.grid, run, seed, log_dir, args.steps, args.nproc, args.overrides)
+                ok &= run_one(cmd, log_dir, args.steps)
+    table = write_summary(args.out, args.grid, runs, args.seeds, args.threshold)
+    print(open(os.path.join(args.out, "summary.md")).read())
+    return 0 if ok and all(r["seeds"] for r in table) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
