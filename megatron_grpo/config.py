@@ -158,6 +158,8 @@ class GenerationConfig:
     """``vllm_server`` only: URL of a running server (disaggregated); null = launch one locally."""
     retry_timeout_s: float = 60.0
     """``vllm_server`` only: how long a dead or restarting server is retried before the run stops."""
+    max_restarts: int = 2
+    """A crashed generator is restarted (and the current weights re-pushed) at most this many times per step."""
     max_new_tokens: int = 32
     """Completion length cap."""
     temperature: float = 1.0
@@ -208,7 +210,9 @@ class GRPOConfig:
     deployed_improvement: bool = True
     """Measure ``policy/deployed_improvement`` (one extra shadow forward per step)."""
     grad_cos_clean_every: int = 0
-    """Every N steps log ``grad/cos_clean`` (one extra backward; 0 = off)."""
+    """Reserved: every N steps log ``grad/cos_clean`` (not implemented yet; must be 0)."""
+    max_consecutive_skips: int = 3
+    """Steps with non-finite log-probs/loss/gradients are skipped and counted; this many in a row stop the run."""
 
     def __post_init__(self):
         from megatron_grpo.loss import ADVANTAGE_ESTIMATORS
@@ -216,7 +220,9 @@ class GRPOConfig:
         if self.advantage_estimator not in ADVANTAGE_ESTIMATORS:
             raise ValueError(f"grpo.advantage_estimator: unknown {self.advantage_estimator!r}; valid choices: "
                              f"{', '.join(ADVANTAGE_ESTIMATORS.names())}")
-        for key in ("num_prompts_per_step", "num_generations_per_prompt", "max_num_steps"):
+        if self.grad_cos_clean_every:
+            raise ValueError("grpo.grad_cos_clean_every is not implemented yet; set it to 0")
+        for key in ("num_prompts_per_step", "num_generations_per_prompt", "max_num_steps", "max_consecutive_skips"):
             if getattr(self, key) < 1:
                 raise ValueError(f"grpo.{key} must be >= 1, got {getattr(self, key)}")
 
@@ -266,6 +272,14 @@ class CheckpointingConfig:
     """Resume from the latest checkpoint in checkpoint_dir."""
     keep_last_n: int = 2
     """Checkpoints kept."""
+    fallback_to_previous: bool = False
+    """If the newest checkpoint is partial or corrupt, resume from the newest intact earlier one."""
+
+    def __post_init__(self):
+        if (self.resume or self.save_period) and not self.checkpoint_dir:
+            raise ValueError("checkpointing.resume / checkpointing.save_period need checkpointing.checkpoint_dir")
+        if self.keep_last_n < 1 or self.save_period < 0:
+            raise ValueError("checkpointing.keep_last_n must be >= 1 and checkpointing.save_period >= 0")
 
 
 @dataclass

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import time
 from typing import Dict, Optional
 
 import torch
@@ -23,14 +24,17 @@ class MetricsLogger:
     """Writes one JSON object per step (``step`` + metrics) on the logging rank."""
 
     def __init__(self, log_dir: str, *, enabled: bool, tensorboard: bool, progress_bar: bool, total_steps: int,
-                 start_step: int = 0):
+                 start_step: int = 0, resumed: bool = False):
         self.enabled = enabled
         self.path = os.path.join(log_dir, "metrics.jsonl")
         self._tb = self._bar = None
         if not enabled:
             return
         os.makedirs(log_dir, exist_ok=True)
-        self._drop_rows_after(start_step)
+        if resumed:
+            self._drop_rows_after(start_step)
+        elif os.path.isfile(self.path):  # a fresh run never deletes an earlier run's metrics
+            os.replace(self.path, f"{self.path}.{time.strftime('%Y%m%d-%H%M%S')}.bak")
         self._file = open(self.path, "a")
         if tensorboard:
             self._tb = _tensorboard_writer(log_dir)
@@ -39,12 +43,12 @@ class MetricsLogger:
 
             self._bar = tqdm(total=total_steps, initial=start_step, desc="GRPO", dynamic_ncols=True)
 
-    def _drop_rows_after(self, start_step: int) -> None:
-        """On resume, rows of steps >= start_step (written after the checkpoint) are removed."""
+    def _drop_rows_after(self, checkpoint_step: int) -> None:
+        """On resume, rows of steps after the checkpoint (to be recomputed) are removed; one row per step."""
         if not os.path.isfile(self.path):
             return
         with open(self.path) as f:
-            rows = [line for line in f if line.strip() and json.loads(line).get("step", 0) < start_step]
+            rows = [line for line in f if line.strip() and json.loads(line).get("step", 0) <= checkpoint_step]
         tmp = self.path + ".tmp"
         with open(tmp, "w") as f:
             f.writelines(rows)

@@ -45,11 +45,38 @@ class Optimizer:
         self.params: List[torch.nn.Parameter] = [p for _, p in self.named]
         self.half = any(p.dtype != torch.float32 for p in self.params)
         self.master = [p.detach().float().clone().requires_grad_(True) for p in self.params] if self.half else self.params
+        self._index = {id(p): i for i, p in enumerate(self.params)}
         self.adam = torch.optim.AdamW(self.master, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
                                       eps=cfg.adam_eps, weight_decay=cfg.weight_decay)
         fp16 = precision.params_dtype == "float16" or precision.compute_dtype == "float16"
         self.scaler = (DynamicLossScaler(precision.initial_loss_scale, precision.min_loss_scale,
                                          precision.loss_scale_window) if fp16 else None)
+
+    def master_of(self, param: torch.nn.Parameter) -> torch.Tensor:
+        """The fp32 tensor the optimizer updates for ``param`` (the param itself unless half)."""
+        return self.master[self._index[id(param)]] if self.half else param
+
+    def moment(self, param: torch.nn.Parameter, key: str) -> torch.Tensor:
+        """AdamW's ``exp_avg`` / ``exp_avg_sq`` of ``param`` (zeros before the first step)."""
+        master = self.master_of(param)
+        state = self.adam.state.get(master)
+        return state[key] if state and key in state else torch.zeros_like(master, dtype=torch.float32)
+
+    def adam_step(self) -> int:
+        steps = [int(st["step"]) for st in self.adam.state.values() if "step" in st]
+        return max(steps, default=0)
+
+    def init_state(self, step: int) -> None:
+        """Creates AdamW state (zero moments at ``step``) for every parameter, to be filled by a load."""
+        for m in self.master:
+            self.adam.state[m] = {"step": torch.tensor(float(step)), "exp_avg": torch.zeros_like(m, dtype=torch.float32),
+                                  "exp_avg_sq": torch.zeros_like(m, dtype=torch.float32)}
+
+    def sync_params_from_master(self) -> None:
+        if self.half:
+            with torch.no_grad():
+                for p, m in zip(self.params, self.master):
+                    p.copy_(m.to(p.dtype))
 
     def loss_scale(self) -> float:
         return self.scaler.scale if self.scaler else 1.0

@@ -159,9 +159,9 @@ def _build_engine(cfg: Config, model_dir: str, shape):
                       is_moe=shape.is_moe, **extra)
 
 
-def build_logger(cfg: Config, ctx: TrainContext, start_step: int = 0):
+def build_logger(cfg: Config, ctx: TrainContext, start_step: int = 0, resumed: bool = False):
     from megatron_grpo.metrics_logger import MetricsLogger
 
     lg = cfg.logger
     return MetricsLogger(lg.log_dir, enabled=ctx.rank == 0, tensorboard=lg.tensorboard, progress_bar=lg.progress_bar,
-                         total_steps=cfg.grpo.max_num_steps, start_step=start_step)
+                         total_steps=cfg.grpo.max_num_steps, start_step=start_step, resumed=resumed)

@@ -14,10 +14,12 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
+from megatron_grpo import faults
 from megatron_grpo.config import Config, to_dtype
 from megatron_grpo.forward import PackedBatch, forward_log_probs, log_probs_from_logits, pack, precision_context
 from megatron_grpo.loss import StatSet, policy_loss_stats
 from megatron_grpo.loss.stats import masked_sum
+from megatron_grpo.parallel import comm
 from megatron_grpo.rollout import Rollouts
 
 
@@ -66,14 +68,22 @@ class TrainStep:
                                  params_dtype=self.params_dtype, temperature=self.cfg.generation.temperature,
                                  tp_group=self.tp_group, micro_batch_size=self.cfg.policy.train_micro_batch_size)
 
-    def run(self, batch: StepBatch) -> Tuple[StatSet, Dict[str, torch.Tensor]]:
-        """Shadow forward -> forward-backward -> optimizer step -> deployed-improvement probe."""
+    def run(self, batch: StepBatch, step: int = 0) -> Tuple[StatSet, Dict[str, torch.Tensor]]:
+        """Shadow forward -> forward-backward -> optimizer step -> deployed-improvement probe.
+
+        A step whose log-probs are non-finite on any rank is skipped (no update) and counted.
+        """
+        self.current_step, self.nonfinite = step, []
         shadow = self.lowp_log_probs(batch.packed) if self.cfg.policy.precision.needs_shadow else None
         ref = self._ref_log_probs(batch.packed)
         self.optimizer.zero_grad()
         stats, train_lp = self.forward_backward(batch, shadow, ref)
         self.last_log_probs = (train_lp, shadow if shadow is not None else train_lp)
-        extra = self.optimizer.step()
+        if comm.all_reduce_max(torch.tensor(float(bool(self.nonfinite))), comm.world_group()).item():
+            self.optimizer.zero_grad()
+            extra = {"train/grad_norm": torch.tensor(float("nan")), "train/skipped_nonfinite": torch.ones(())}
+        else:
+            extra = self.optimizer.step()
         extra["train/loss_scale"] = torch.tensor(self.optimizer.loss_scale())
         if self.cfg.grpo.deployed_improvement:
             before = shadow if shadow is not None else train_lp
@@ -103,6 +113,8 @@ class TrainStep:
             lp = log_probs_from_logits(logits, batch.packed.labels[sl], self.cfg.generation.temperature,
                                        self.tp_group, self.cfg.policy.logprob_chunk_size)
             mask = batch.packed.mask[sl]
+            lp = faults.maybe_nan(self.current_step, sl.start // mbs, lp, mask)
+            lp = self._sanitize(lp, batch.old_log_probs[sl], mask, sl.start // mbs)
             loss, s = policy_loss_stats(
                 lp, batch.old_log_probs[sl], batch.advantages[sl], mask, self.cfg.loss_fn,
                 shadow_log_probs=shadow[sl] if shadow is not None else lp.detach(),
@@ -125,6 +137,16 @@ class TrainStep:
             num_microbatches=len(slices), seq_length=batch.packed.input_ids.shape[1], micro_batch_size=mbs,
             forward_only=False)
         return stats, torch.cat(log_probs, dim=0)
+
+    def _sanitize(self, lp: torch.Tensor, fallback: torch.Tensor, mask: torch.Tensor, microbatch: int) -> torch.Tensor:
+        """Records non-finite log-probs at valid tokens and replaces them (the step will be skipped),
+        so that every rank still runs the same collectives."""
+        finite = torch.isfinite(lp)
+        bad = int((~finite & mask).sum())  # one host sync per micro-batch
+        if not bad:
+            return lp
+        self.nonfinite.append(f"log_probs of micro-batch {microbatch}: {bad} non-finite values at valid tokens")
+        return torch.where(finite, lp, fallback)
 
     def _set_grad_scale(self) -> None:
         from megatron_grpo.models import unwrap

@@ -42,26 +42,89 @@ class GRPOTrainer:
 
     def __init__(self, cfg: Config):
         from megatron_grpo import setup
+        from megatron_grpo.rollout.staleness import StalenessGate
 
         self.cfg = cfg
         self.ctx = setup.build_context(cfg)
-        from megatron_grpo.rollout.staleness import StalenessGate
-
-        self.step, self.version = 0, 0
+        self.step, self.version, self.consecutive_skips = 0, 0, 0
         self.gate = StalenessGate(cfg.generation.max_staleness)
-        self._pending = None
-        self.logger = setup.build_logger(cfg, self.ctx, start_step=self.step)
+        self._pending, self._stop_requested, self._last_push_names = None, False, []
+        resumed = self.maybe_resume()
+        self.logger = setup.build_logger(cfg, self.ctx, start_step=self.step, resumed=resumed)
+
+    def maybe_resume(self) -> bool:
+        """With ``checkpointing.resume``, restores the latest checkpoint and re-pushes its weights."""
+        from megatron_grpo.resume import find_resume_dir, load_checkpoint
+
+        if not self.cfg.checkpointing.resume:
+            return False
+        path = find_resume_dir(self)
+        if path is None:
+            logger.info("checkpointing.resume: no checkpoint in %s, starting fresh", self.cfg.checkpointing.checkpoint_dir)
+            return False
+        load_checkpoint(self, path)
+        self.push_weights(probe=False)
+        return True
 
     def train(self) -> None:
-        """Runs ``grpo.max_num_steps`` steps."""
+        """Runs ``grpo.max_num_steps`` steps; SIGTERM/SIGINT stop at the next step boundary with a checkpoint."""
+        from megatron_grpo import faults
+
         self.check_parity(force=True)
+        self._install_signal_handlers()
         try:
-            while self.step < self.cfg.grpo.max_num_steps:
+            while self.step < self.cfg.grpo.max_num_steps and not self.stop_requested():
                 metrics = self.train_step()
                 self.step += 1
                 self.logger.log(self.step, metrics)
+                self.check_skips(metrics)
+                if self.checkpoint_due():
+                    self.save()
+                faults.maybe_kill(self.step)
+            if self.cfg.checkpointing.checkpoint_dir and self.step and not self.checkpoint_due():
+                self.save()
         finally:
             self.close()
+
+    def checkpoint_due(self) -> bool:
+        period = self.cfg.checkpointing.save_period
+        return bool(self.cfg.checkpointing.checkpoint_dir) and (
+            (period > 0 and self.step % period == 0) or self.step == self.cfg.grpo.max_num_steps or self._stop_requested)
+
+    def save(self) -> str:
+        from megatron_grpo.resume import save_checkpoint
+
+        return save_checkpoint(self)
+
+    def _install_signal_handlers(self) -> None:
+        import signal
+
+        def request_stop(signum, frame):
+            logger.warning("signal %d: saving a checkpoint at the end of this step, then exiting", signum)
+            self._stop_requested = True
+
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, request_stop)
+
+    def stop_requested(self) -> bool:
+        """True on every rank when any rank got SIGTERM/SIGINT (agreed at the step boundary)."""
+        from megatron_grpo.parallel import comm
+
+        flag = torch.tensor(float(self._stop_requested))
+        self._stop_requested = bool(comm.all_reduce_max(flag, comm.world_group()).item())
+        return self._stop_requested
+
+    def check_skips(self, metrics: Dict[str, float]) -> None:
+        """Counts consecutive skipped (non-finite) steps; too many stop the run naming the culprit."""
+        if not metrics.get("train/skipped_nonfinite"):
+            self.consecutive_skips = 0
+            return
+        self.consecutive_skips += 1
+        culprit = "; ".join(self.ctx.stepper.nonfinite) or "gradients (non-finite grad norm)"
+        logger.warning("step %d skipped: %s", self.step, culprit)
+        if self.consecutive_skips >= self.cfg.grpo.max_consecutive_skips:
+            raise RuntimeError(f"{self.consecutive_skips} consecutive steps skipped for non-finite values; "
+                               f"step {self.step}: {culprit}")
 
     def train_step(self) -> Dict[str, float]:
         from megatron_grpo.loss import ADVANTAGE_ESTIMATORS, finalize
@@ -75,7 +138,7 @@ class GRPOTrainer:
         advantages = ADVANTAGE_ESTIMATORS.get(self.cfg.grpo.advantage_estimator)(
             rewards, self.cfg.grpo.num_generations_per_prompt)
         batch = build_step_batch(rollouts, advantages, self.ctx.dp_rank, self.ctx.dp_size, self.ctx.pad_id)
-        stats, extra = self.ctx.stepper.run(batch)
+        stats, extra = self.ctx.stepper.run(batch, self.step + 1)
         if self.step + 1 in self.cfg.logger.token_dump_steps and self.ctx.rank == 0:
             self.dump_tokens(batch)
         self.version += 1
@@ -114,12 +177,37 @@ class GRPOTrainer:
         """
         from megatron_grpo.parallel import comm
 
-        rollouts = None
+        from megatron_grpo.rollout.vllm_engine import GeneratorError
+
+        for attempt in range(self.cfg.generation.max_restarts + 1):
+            result = None
+            if self.ctx.engine is not None:
+                try:
+                    result = ("ok", self._collect_fresh())
+                    if self.cfg.generation.max_staleness > 0 and self.step + 1 < self.cfg.grpo.max_num_steps:
+                        self._pending = self._submit(self.step + 1)
+                except GeneratorError as exc:
+                    result = ("failed", str(exc))
+            status, value = comm.broadcast_object(result, src=0)
+            if status == "ok":
+                return value
+            if attempt == self.cfg.generation.max_restarts:
+                raise GeneratorError(f"generator failed {attempt + 1} times at step {self.step + 1}; last error: {value}")
+            logger.warning("generator failed at step %d (%s); restarting it", self.step + 1, value.splitlines()[0])
+            self.restart_generator()
+
+    def restart_generator(self) -> None:
+        """Rebuilds the engine on rank 0 and re-pushes the current weights (collective)."""
+        from megatron_grpo.setup import _build_engine
+
+        self._pending = None
         if self.ctx.engine is not None:
-            rollouts = self._collect_fresh()
-            if self.cfg.generation.max_staleness > 0 and self.step + 1 < self.cfg.grpo.max_num_steps:
-                self._pending = self._submit(self.step + 1)
-        return comm.broadcast_object(rollouts, src=0)
+            try:
+                self.ctx.engine.close()
+            except Exception:  # noqa: BLE001 - it is already broken
+                pass
+            self.ctx.engine = _build_engine(self.cfg, self.ctx.model_dir, self.ctx.shape)
+        self.push_weights(probe=False)
 
     def _collect_fresh(self):
         while True:
@@ -147,7 +235,7 @@ class GRPOTrainer:
 
     # ---- weights --------------------------------------------------------------------------------------------
 
-    def push_weights(self) -> Dict[str, torch.Tensor]:
+    def push_weights(self, probe: bool = True) -> Dict[str, torch.Tensor]:
         """Pushes the new weights to the generator and runs the parity probe when due."""
         from megatron_grpo.rollout.weight_sync import push_weights
 
@@ -156,7 +244,8 @@ class GRPOTrainer:
                               bucket_mb=self.cfg.generation.weight_push_bucket_mb)
         self._last_push_names = report.names
         out = {"sync/push_s": torch.tensor(report.seconds)}
-        out.update(self.check_parity())
+        if probe:
+            out.update(self.check_parity())
         return out
 
     def check_parity(self, force: bool = False) -> Dict[str, torch.Tensor]:
@@ -172,8 +261,7 @@ class GRPOTrainer:
         result = None
         if self.ctx.engine is not None:
             try:
-                result = check_parity(self.ctx.engine, self.ctx.probe, scores, getattr(self, "_last_push_names", []),
-                                      tol, self.version)
+                result = check_parity(self.ctx.engine, self.ctx.probe, scores, self._last_push_names, tol, self.version)
             except ParityError as exc:
                 result = str(exc)
         else:
@@ -215,7 +303,7 @@ def main(recipe: str, overrides: Sequence[str], dry_run: bool = False, world_siz
             print(json.dumps(describe_layout(cfg, world_size), indent=2))
             return 0
         trainer = GRPOTrainer(cfg)
-    except (ValueError, FileNotFoundError) as exc:
+    except (ValueError, FileNotFoundError, RuntimeError) as exc:
         logger.error("%s", exc)
         print(f"error: {exc}", flush=True)
         return 2

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
-from typing import Callable, Dict, Iterator, List, Sequence, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -172,21 +172,21 @@ def unshard(pm: ParamMap, shards: Sequence[torch.Tensor], shape: ModelShape) -> 
 class HFCheckpoint:
     """Lazy reader of an HF safetensors checkpoint (single file or sharded with an index)."""
 
-    def __init__(self, model_dir: str):
+    def __init__(self, model_dir: str, filename: Optional[str] = None):
         from safetensors import safe_open
 
         self.model_dir = model_dir
         index = os.path.join(model_dir, "model.safetensors.index.json")
-        single = os.path.join(model_dir, "model.safetensors")
-        if os.path.isfile(index):
+        single = os.path.join(model_dir, filename or "model.safetensors")
+        if filename is None and os.path.isfile(index):
             with open(index) as f:
                 weight_map = json.load(f)["weight_map"]
         elif os.path.isfile(single):
             weight_map = None
         else:
-            raise FileNotFoundError(f"policy.model_name: no model.safetensors(.index.json) in {model_dir}")
+            raise FileNotFoundError(f"no {os.path.basename(single)} (nor model.safetensors.index.json) in {model_dir}")
         self._handles = {}
-        files = sorted(set(weight_map.values())) if weight_map else ["model.safetensors"]
+        files = sorted(set(weight_map.values())) if weight_map else [os.path.basename(single)]
         self.location: Dict[str, str] = {}
         for name in files:
             path = os.path.join(model_dir, name)
@@ -198,6 +198,9 @@ class HFCheckpoint:
             for key in handle.keys():
                 self.location[key] = name
 
+    def describe(self) -> str:
+        return ", ".join(os.path.join(self.model_dir, f) for f in self._handles)
+
     def get(self, name: str) -> torch.Tensor:
         if name not in self.location:
             raise KeyError(f"tensor {name!r} not found in checkpoint {self.model_dir}")
@@ -208,9 +211,14 @@ class HFCheckpoint:
             raise ValueError(f"cannot read tensor {name!r} from {os.path.join(self.model_dir, file)}: {exc}") from exc
 
 
-def load_hf_weights(model, model_dir: str, shape: ModelShape) -> None:
-    """Copies an HF checkpoint into this rank's Megatron parameters (every param must be covered)."""
-    ckpt = HFCheckpoint(model_dir)
+def load_hf_weights(model, model_dir: str, shape: ModelShape, *, filename: Optional[str] = None,
+                    target: Optional[Callable[[str, torch.nn.Parameter], torch.Tensor]] = None) -> None:
+    """Copies an HF checkpoint into this rank's Megatron parameters (every param must be covered).
+
+    ``filename`` reads one safetensors file of ``model_dir`` instead of the model files;
+    ``target(name, param)`` names another per-parameter tensor to fill (optimizer state).
+    """
+    ckpt = HFCheckpoint(model_dir, filename)
     place = RankPlacement.current(model)
     params = dict(unwrap(model).named_parameters())
     maps = param_maps(shape, place)
@@ -224,13 +232,14 @@ def load_hf_weights(model, model_dir: str, shape: ModelShape) -> None:
             try:
                 local = shard(pm, full, shape, rank, size)
             except RuntimeError as exc:
-                raise ValueError(f"{model_dir}: tensors {pm.hf_names} have unexpected shapes "
+                raise ValueError(f"{ckpt.describe()}: tensors {pm.hf_names} have unexpected shapes "
                                  f"{[tuple(t.shape) for t in full]}: {exc}") from exc
             param = params[pm.mcore_name]
-            if local.shape != param.shape:
-                raise ValueError(f"{model_dir}: tensor {pm.hf_names[0]!r} has shape {tuple(full[0].shape)}, which gives "
-                                 f"{tuple(local.shape)} for Megatron's {pm.mcore_name} {tuple(param.shape)}")
-            param.copy_(local.to(param.dtype))
+            dest = target(pm.mcore_name, param) if target is not None else param
+            if local.shape != dest.shape:
+                raise ValueError(f"{ckpt.describe()}: tensor {pm.hf_names[0]!r} has shape {tuple(full[0].shape)}, which "
+                                 f"gives {tuple(local.shape)} for Megatron's {pm.mcore_name} {tuple(dest.shape)}")
+            dest.copy_(local.to(dest.dtype))
 
 
 def _get_hf(ckpt: HFCheckpoint, name: str, shape: ModelShape) -> torch.Tensor:
@@ -245,11 +254,14 @@ def _get_hf(ckpt: HFCheckpoint, name: str, shape: ModelShape) -> torch.Tensor:
 # ---- Megatron -> HF (gathering shards) ----------------------------------------------------------------
 
 
-def export_hf_tensors(model, shape: ModelShape, *, include_tied_lm_head: bool = True) -> Iterator[Tuple[str, torch.Tensor]]:
+def export_hf_tensors(model, shape: ModelShape, *, include_tied_lm_head: bool = True,
+                      source: Optional[Callable[[str, torch.nn.Parameter], torch.Tensor]] = None,
+                      ) -> Iterator[Tuple[str, torch.Tensor]]:
     """Yields full HF-named tensors of the whole model, on every rank (collective over TP/EP/PP).
 
     One parameter (or one layer's experts) is gathered at a time, so at most one layer's
-    worth of full tensors exists beyond the model itself.
+    worth of full tensors exists beyond the model itself. ``source(name, param)`` picks
+    another per-parameter tensor of the same shape (an optimizer moment, a master weight).
     """
     from megatron.core import parallel_state as ps
 
@@ -258,7 +270,8 @@ def export_hf_tensors(model, shape: ModelShape, *, include_tied_lm_head: bool = 
     tp_group, etp_group = ps.get_tensor_model_parallel_group(), ps.get_expert_tensor_parallel_group()
     ep_group = ps.get_expert_model_parallel_group()
     for pm in _export_order(shape, place):
-        local = params[pm.mcore_name].detach()
+        param = params[pm.mcore_name]
+        local = (source(pm.mcore_name, param) if source is not None else param).detach()
         if pm.expert:
             yield from _export_expert(pm, local, shape, place, etp_group, ep_group)
             continue

@@ -69,3 +69,8 @@ def broadcast_tensor(tensor: torch.Tensor, src_global_rank: int, group=None) -> 
 def global_rank_in_group(group, group_rank_: int) -> int:
     """Global rank of the member with rank ``group_rank_`` in ``group``."""
     return dist.get_global_rank(group, group_rank_) if _active(group) else (dist.get_rank() if dist.is_initialized() else 0)
+
+
+def world_group():
+    """The default (world) process group, or None when not distributed."""
+    return dist.group.WORLD if dist.is_available() and dist.is_initialized() else None

@@ -1,0 +1,96 @@
+"""Saving and loading a run (collective over all ranks); file layout in ``checkpoint.py``."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron_grpo import checkpoint as ckpt
+from megatron_grpo.models.weights import export_hf_tensors, load_hf_weights
+from megatron_grpo.parallel import comm
+
+logger = logging.getLogger(__name__)
+
+
+def _gather_to_file(model, shape, source, path: Optional[str]) -> None:
+    """Collective export of per-parameter tensors; rank 0 writes them as HF-named safetensors."""
+    from safetensors.torch import save_file
+
+    tensors = {}
+    for name, tensor in export_hf_tensors(model, shape, include_tied_lm_head=False, source=source):
+        if path is not None:
+            tensors[name] = tensor.detach().float().contiguous().clone()
+    if path is not None:
+        save_file(tensors, path)
+
+
+def save_checkpoint(trainer) -> str:
+    """Writes step ``trainer.step`` atomically under ``checkpointing.checkpoint_dir``; returns its folder."""
+    ctx, cfg = trainer.ctx, trainer.cfg.checkpointing
+    root, rank0 = cfg.checkpoint_dir, ctx.rank == 0
+    tmp = os.path.join(root, f".step_{trainer.step:07d}.tmp")
+    if rank0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    opt = ctx.optimizer
+    files = {ckpt.MODEL_FILE: lambda n, p: opt.master_of(p),
+             ckpt.EXP_AVG_FILE: lambda n, p: opt.moment(p, "exp_avg"),
+             ckpt.EXP_AVG_SQ_FILE: lambda n, p: opt.moment(p, "exp_avg_sq")}
+    for filename, source in files.items():
+        _gather_to_file(ctx.model, ctx.shape, source, os.path.join(tmp, filename) if rank0 else None)
+    rngs = [None] * dist.get_world_size()
+    dist.all_gather_object(rngs, ckpt.rng_state())
+    final = None
+    if rank0:
+        torch.save({"step": trainer.step, "version": trainer.version, "data_position": ctx.sampler.position,
+                    "dropped_stale": trainer.gate.dropped, "adam_step": opt.adam_step(),
+                    "scaler": opt.scaler.state_dict() if opt.scaler else None, "rng": rngs,
+                    "consecutive_skips": trainer.consecutive_skips}, os.path.join(tmp, ckpt.STATE_FILE))
+        final = ckpt.finalize_dir(tmp, root, trainer.step, cfg.keep_last_n)
+        logger.info("saved checkpoint %s", final)
+    dist.barrier()
+    return comm.broadcast_object(final)
+
+
+def find_resume_dir(trainer) -> Optional[str]:
+    """Rank 0 picks (and verifies) the checkpoint to resume from; every rank gets the answer."""
+    cfg = trainer.cfg.checkpointing
+    result = None
+    if trainer.ctx.rank == 0:
+        try:
+            result = ckpt.resolve_for_load(cfg.checkpoint_dir, cfg.fallback_to_previous)
+        except ckpt.CheckpointError as exc:
+            result = exc
+    result = comm.broadcast_object(result)
+    if isinstance(result, Exception):
+        raise result
+    return result
+
+
+def load_checkpoint(trainer, path: str) -> None:
+    """Restores model, optimizer and trainer state from ``path`` at this run's (any) layout."""
+    ctx = trainer.ctx
+    opt = ctx.optimizer
+    state = torch.load(os.path.join(path, ckpt.STATE_FILE), weights_only=False)
+    load_hf_weights(ctx.model, path, ctx.shape, filename=ckpt.MODEL_FILE, target=lambda n, p: opt.master_of(p))
+    opt.sync_params_from_master()
+    opt.init_state(state["adam_step"])
+    if state["adam_step"] > 0:
+        for filename, key in ((ckpt.EXP_AVG_FILE, "exp_avg"), (ckpt.EXP_AVG_SQ_FILE, "exp_avg_sq")):
+            load_hf_weights(ctx.model, path, ctx.shape, filename=filename,
+                            target=lambda n, p, key=key: opt.adam.state[opt.master_of(p)][key])
+    else:
+        opt.adam.state.clear()
+    if opt.scaler and state["scaler"]:
+        opt.scaler.load_state_dict(state["scaler"])
+    trainer.step, trainer.version = state["step"], state["version"]
+    trainer.gate.dropped, trainer.consecutive_skips = state["dropped_stale"], state["consecutive_skips"]
+    ctx.sampler.position = state["data_position"]
+    rngs = state["rng"]
+    ckpt.set_rng_state(rngs[ctx.rank] if ctx.rank < len(rngs) else rngs[0])
+    logger.info("resumed from %s (step %d, policy version %d)", path, trainer.step, trainer.version)
