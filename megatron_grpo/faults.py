@@ -3,6 +3,8 @@
 - ``MEGATRON_GRPO_FAULT_KILL_AFTER_STEP=N``: SIGKILL this process right after step N is
   logged (and checkpointed, if due) - a node lost between steps.
 - ``MEGATRON_GRPO_FAULT_NAN_STEP=N``: one NaN in the first micro-batch's log-probs at step N.
+- ``MEGATRON_GRPO_FAULT_KILL_GENERATOR_STEP=N``: SIGKILL the generator (vLLM process or
+  server) just before step N generates - a generator crash.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ import torch
 
 KILL_AFTER_STEP = "MEGATRON_GRPO_FAULT_KILL_AFTER_STEP"
 NAN_AT_STEP = "MEGATRON_GRPO_FAULT_NAN_STEP"
+KILL_GENERATOR_STEP = "MEGATRON_GRPO_FAULT_KILL_GENERATOR_STEP"
+_generator_killed = set()
 
 
 def env_step(name: str) -> Optional[int]:
@@ -35,3 +39,11 @@ def maybe_nan(step: int, microbatch: int, log_probs: torch.Tensor, mask: torch.T
     index = mask.nonzero()[0]
     poison[index[0], index[1]] = float("nan")
     return log_probs + poison
+
+
+def maybe_kill_generator(step: int, engine) -> None:
+    """Kills the engine's process once when armed for ``step`` (rank 0 only holds an engine)."""
+    if engine is None or env_step(KILL_GENERATOR_STEP) != step or step in _generator_killed:
+        return
+    _generator_killed.add(step)
+    engine.kill_process()

@@ -30,6 +30,14 @@ class PackedBatch:
     def rows(self, sl: slice) -> "PackedBatch":
         return PackedBatch(self.input_ids[sl], self.labels[sl], self.mask[sl])
 
+    def to(self, device) -> "PackedBatch":
+        return PackedBatch(self.input_ids.to(device), self.labels.to(device), self.mask.to(device))
+
+
+def model_device(model) -> torch.device:
+    """Where the model's parameters live."""
+    return next(model.parameters()).device
+
 
 def pack(sequences: Sequence[Sequence[int]], prompt_lens: Sequence[int], pad_id: int = 0,
          pad_to_multiple: int = 8) -> PackedBatch:
@@ -67,6 +75,7 @@ def forward_log_probs(model, batch: PackedBatch, *, compute_dtype: torch.dtype, 
     from megatron_grpo.models import forward_logits
 
     out = []
+    batch = batch.to(model_device(model))
     with torch.no_grad():
         for i in range(0, batch.input_ids.shape[0], micro_batch_size):
             mb = batch.rows(slice(i, i + micro_batch_size))

@@ -35,6 +35,10 @@ class StepBatch:
     num_global_tokens: torch.Tensor
     num_global_seqs: torch.Tensor
 
+    def to(self, device) -> "StepBatch":
+        return StepBatch(self.packed.to(device), self.old_log_probs.to(device), self.advantages.to(device),
+                         self.num_global_tokens.to(device), self.num_global_seqs.to(device))
+
 
 def build_step_batch(rollouts: Rollouts, advantages: torch.Tensor, dp_rank: int, dp_size: int,
                      pad_id: int) -> StepBatch:
@@ -73,7 +77,10 @@ class TrainStep:
 
         A step whose log-probs are non-finite on any rank is skipped (no update) and counted.
         """
+        from megatron_grpo.forward import model_device
+
         self.current_step, self.nonfinite = step, []
+        batch = batch.to(model_device(self.model))
         shadow = self.lowp_log_probs(batch.packed) if self.cfg.policy.precision.needs_shadow else None
         ref = self._ref_log_probs(batch.packed)
         self.optimizer.zero_grad()

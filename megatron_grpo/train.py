@@ -155,7 +155,7 @@ class GRPOTrainer:
 
     def dump_tokens(self, batch) -> None:
         """Writes this rank's valid tokens (rollout, trainer, shadow log-probs; advantage) for plots."""
-        train_lp, shadow = self.ctx.stepper.last_log_probs
+        train_lp, shadow = (t.cpu() for t in self.ctx.stepper.last_log_probs)
         mask = batch.packed.mask
         adv = batch.advantages.unsqueeze(-1).expand_as(mask)
         data = {"step": self.step + 1, "old_log_probs": batch.old_log_probs[mask].tolist(),
@@ -210,6 +210,9 @@ class GRPOTrainer:
         self.push_weights(probe=False)
 
     def _collect_fresh(self):
+        from megatron_grpo import faults
+
+        faults.maybe_kill_generator(self.step + 1, self.ctx.engine)
         while True:
             handle, self._pending = (self._pending or self._submit(self.step)), None
             rollouts = self.ctx.engine.collect(handle)

@@ -127,6 +127,11 @@ class VLLMEngine(RolloutEngine):
     def alive(self) -> bool:
         return self._proc.is_alive()
 
+    def kill_process(self) -> None:
+        """SIGKILL the generator process (fault drills)."""
+        self._proc.kill()
+        self._proc.join(timeout=30)
+
     def close(self) -> None:
         if getattr(self, "_proc", None) is None:
             return

@@ -38,6 +38,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _die_with_parent() -> None:
+    """Linux: the server gets SIGTERM when the trainer dies (even by SIGKILL), so none is orphaned."""
+    try:
+        import ctypes
+        import signal
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except Exception:  # noqa: BLE001 - best effort on other platforms
+        pass
+
+
 class VLLMServerEngine(RolloutEngine):
     """Client of a vLLM OpenAI-compatible server (launched here unless ``url`` is given)."""
 
@@ -69,7 +80,7 @@ class VLLMServerEngine(RolloutEngine):
         self._log_path = log_path or tempfile.mktemp(prefix="megatron-grpo-vllm-server-", suffix=".log")
         self._log = open(self._log_path, "w")
         self._proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env,
-                                      start_new_session=True)
+                                      start_new_session=True, preexec_fn=_die_with_parent)
 
     def _wait_healthy(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -175,6 +186,14 @@ class VLLMServerEngine(RolloutEngine):
 
     def alive(self) -> bool:
         return self._proc is None or self._proc.poll() is None
+
+    def kill_process(self) -> None:
+        """SIGKILL the server and its children (fault drills)."""
+        import signal
+
+        if self._proc is not None and self._proc.poll() is None:
+            os.killpg(self._proc.pid, signal.SIGKILL)
+            self._proc.wait(timeout=30)
 
     def close(self) -> None:
         if self._proc is None:

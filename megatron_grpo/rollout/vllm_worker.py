@@ -16,8 +16,32 @@ _TRAINER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_R
                 "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT")
 
 
+def _die_with_parent() -> None:
+    """The generator must not outlive the trainer (a SIGKILLed trainer would leave it, and
+    the pipes it holds, behind): Linux's parent-death signal, plus a watchdog thread."""
+    import signal
+    import threading
+    import time
+
+    parent = os.getppid()
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except Exception:  # noqa: BLE001 - not Linux
+        pass
+
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(1)
+
+    threading.Thread(target=watch, daemon=True, name="parent-watchdog").start()
+
+
 def serve(options: dict, requests, responses) -> None:
     """Process entry point: build the engine, then answer (command, payload) requests until ``close``."""
+    _die_with_parent()
     for key in _TRAINER_ENV:
         os.environ.pop(key, None)
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
