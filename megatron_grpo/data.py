@@ -16,7 +16,7 @@ def load_prompts(prompts_file: Optional[str], tokenizer_dir: str, num_synthetic:
     """Prompt token-id lists from ``prompts_file`` (JSONL) or a synthetic set."""
     if prompts_file:
         return _from_jsonl(prompts_file, tokenizer_dir)
-    tokenizer = _tokenizer(tokenizer_dir)
+    tokenizer = load_tokenizer(tokenizer_dir)
     rng = random.Random(seed)
     prompts = []
     for i in range(num_synthetic):
@@ -28,7 +28,8 @@ def load_prompts(prompts_file: Optional[str], tokenizer_dir: str, num_synthetic:
     return prompts
 
 
-def _tokenizer(model_dir: str):
+def load_tokenizer(model_dir: str):
+    """The checkpoint's tokenizer, or None for token-id-only models."""
     try:
         from transformers import AutoTokenizer
 
@@ -52,7 +53,7 @@ def _from_jsonl(path: str, tokenizer_dir: str) -> List[List[int]]:
             if "prompt_token_ids" in row:
                 prompts.append([int(t) for t in row["prompt_token_ids"]])
             elif "prompt" in row:
-                tokenizer = tokenizer or _tokenizer(tokenizer_dir)
+                tokenizer = tokenizer or load_tokenizer(tokenizer_dir)
                 if tokenizer is None:
                     raise ValueError(f"data.prompts_file {path}:{lineno}: text prompt but the model has no tokenizer")
                 prompts.append(tokenizer(row["prompt"], add_special_tokens=False)["input_ids"])

@@ -59,7 +59,7 @@ def build_context(cfg: Config) -> TrainContext:
     """Initialises distributed state and builds model, optimizer, generator, data and reward."""
     from megatron.core import parallel_state as ps
 
-    from megatron_grpo.data import PromptSampler, load_prompts
+    from megatron_grpo.data import PromptSampler, load_prompts, load_tokenizer
     from megatron_grpo.models import build_from_hf, load_hf_config, shape_from_hf
     from megatron_grpo.optim import Optimizer
     from megatron_grpo.parallel import state
@@ -93,7 +93,7 @@ def build_context(cfg: Config) -> TrainContext:
     optimizer = Optimizer(model, cfg.policy.optimizer, p)
     tp_group, dp_group = ps.get_tensor_model_parallel_group(), ps.get_data_parallel_group()
     stepper = TrainStep(model, optimizer, cfg, tp_group, dp_group, ref_model)
-    tokenizer = _tokenizer(model_dir)
+    tokenizer = load_tokenizer(model_dir)
     eos_id = _eos_id(model_dir, tokenizer)
     prompts = load_prompts(cfg.data.prompts_file, model_dir, cfg.data.num_synthetic_prompts, shape.vocab_size,
                            cfg.grpo.seed)
@@ -123,15 +123,6 @@ def _check_batch(cfg: Config, layout) -> None:
     if rows % layout.dp:
         raise ValueError(f"grpo.num_prompts_per_step x grpo.num_generations_per_prompt = {rows} sequences do not "
                          f"split over data-parallel size {layout.dp}")
-
-
-def _tokenizer(model_dir: str):
-    try:
-        from transformers import AutoTokenizer
-
-        return AutoTokenizer.from_pretrained(model_dir)
-    except Exception:  # noqa: BLE001 - token-id-only models
-        return None
 
 
 def _eos_id(model_dir: str, tokenizer) -> int:

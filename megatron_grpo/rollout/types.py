@@ -68,3 +68,13 @@ class RolloutEngine:
 
     def close(self) -> None:
         """Releases the generator."""
+
+    def kill_process(self) -> None:
+        """Kills the generator abruptly (fault drills)."""
+        raise NotImplementedError
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass

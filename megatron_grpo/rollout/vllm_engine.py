@@ -145,9 +145,3 @@ class VLLMEngine(RolloutEngine):
             self._proc.kill()
             self._proc.join(timeout=10)
         self._proc = None
-
-    def __del__(self):
-        try:
-            self.close()
-        except Exception:  # noqa: BLE001
-            pass

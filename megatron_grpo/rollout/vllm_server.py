@@ -207,9 +207,3 @@ class VLLMServerEngine(RolloutEngine):
                 self._proc.wait(timeout=10)
         self._log.close()
         self._proc = None
-
-    def __del__(self):
-        try:
-            self.close()
-        except Exception:  # noqa: BLE001
-            pass
