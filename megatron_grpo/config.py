@@ -130,7 +130,8 @@ class PolicyConfig:
     """The trained model."""
 
     model_name: Optional[str] = None
-    """HF checkpoint dir (Qwen3 / Qwen3-MoE); null = the embedded tiny Qwen3."""
+    """HF checkpoint dir (Qwen3 / Qwen3-MoE); ``tiny:qwen3`` / ``tiny:qwen3-moe`` = an embedded tiny
+    model made on first use; null = ``tiny:qwen3``."""
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     """Trainer/generator precisions."""
     megatron_cfg: MegatronConfig = field(default_factory=MegatronConfig)
@@ -210,7 +211,8 @@ class GRPOConfig:
     deployed_improvement: bool = True
     """Measure ``policy/deployed_improvement`` (one extra shadow forward per step)."""
     grad_cos_clean_every: int = 0
-    """Reserved: every N steps log ``grad/cos_clean`` (not implemented yet; must be 0)."""
+    """Every N steps log ``grad/cos_clean``: cosine between the actual gradient and the clean
+    REINFORCE gradient of -(A * logp * mask).sum() / num_tokens (one extra forward-backward; 0 = off)."""
     max_consecutive_skips: int = 3
     """Steps with non-finite log-probs/loss/gradients are skipped and counted; this many in a row stop the run."""
 
@@ -220,8 +222,8 @@ class GRPOConfig:
         if self.advantage_estimator not in ADVANTAGE_ESTIMATORS:
             raise ValueError(f"grpo.advantage_estimator: unknown {self.advantage_estimator!r}; valid choices: "
                              f"{', '.join(ADVANTAGE_ESTIMATORS.names())}")
-        if self.grad_cos_clean_every:
-            raise ValueError("grpo.grad_cos_clean_every is not implemented yet; set it to 0")
+        if self.grad_cos_clean_every < 0:
+            raise ValueError(f"grpo.grad_cos_clean_every must be >= 0, got {self.grad_cos_clean_every}")
         for key in ("num_prompts_per_step", "num_generations_per_prompt", "max_num_steps", "max_consecutive_skips"):
             if getattr(self, key) < 1:
                 raise ValueError(f"grpo.{key} must be >= 1, got {getattr(self, key)}")

@@ -88,9 +88,14 @@ class Optimizer:
             for m in self.master:
                 m.grad = None
 
-    def step(self) -> Dict[str, torch.Tensor]:
-        """Reduces grads over DP, unscales, clips, steps (unless non-finite). Returns grad-norm metrics."""
+    def reduce_gradients(self) -> None:
+        """Sums gradients over DP (and partial TP grads over TP); ``step`` does it unless told it is done."""
         grad_utils.all_reduce_gradients(self.named)
+
+    def step(self, reduced: bool = False) -> Dict[str, torch.Tensor]:
+        """Reduces grads over DP, unscales, clips, steps (unless non-finite). Returns grad-norm metrics."""
+        if not reduced:
+            self.reduce_gradients()
         scale = self.loss_scale()
         if scale != 1.0:
             for p in self.params:

@@ -90,7 +90,11 @@ class TrainStep:
             self.optimizer.zero_grad()
             extra = {"train/grad_norm": torch.tensor(float("nan")), "train/skipped_nonfinite": torch.ones(())}
         else:
-            extra = self.optimizer.step()
+            every = self.cfg.grpo.grad_cos_clean_every
+            cos = self.cos_clean(batch) if every and step % every == 0 else None
+            extra = self.optimizer.step(reduced=cos is not None)
+            if cos is not None:
+                extra["grad/cos_clean"] = cos
         extra["train/loss_scale"] = torch.tensor(self.optimizer.loss_scale())
         if self.cfg.grpo.deployed_improvement:
             before = shadow if shadow is not None else train_lp
@@ -98,6 +102,32 @@ class TrainStep:
             adv = batch.advantages.unsqueeze(-1).expand_as(after)
             stats.add_sum("deployed", masked_sum((after - before).double() * torch.sign(adv).double(), batch.packed.mask))
         return stats, extra
+
+    def cos_clean(self, batch: StepBatch) -> torch.Tensor:
+        """Cosine between the (reduced) actual gradient and the clean REINFORCE gradient
+        -(A * logp * mask).sum() / num_tokens; leaves the actual gradient in place."""
+        from megatron_grpo.models import forward_logits
+        from megatron_grpo.parallel import grads as grad_utils
+
+        self.optimizer.reduce_gradients()
+        params = self.optimizer.params
+        actual = [p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in params]
+        for p in params:
+            p.grad = None
+        mbs = self.cfg.policy.train_micro_batch_size
+        scale = self.optimizer.loss_scale()
+        for i in range(0, batch.packed.input_ids.shape[0], mbs):
+            mb, sl = batch.packed.rows(slice(i, i + mbs)), slice(i, i + mbs)
+            with precision_context(self.compute_dtype, self.params_dtype):
+                logits = forward_logits(self.model, mb.input_ids)
+            lp = log_probs_from_logits(logits, mb.labels, self.cfg.generation.temperature, self.tp_group)
+            loss = -(batch.advantages[sl].unsqueeze(-1) * lp * mb.mask).sum() / batch.num_global_tokens
+            (loss.float() * scale).backward()
+        self.optimizer.reduce_gradients()
+        cos = grad_utils.gradient_cosine(params, actual)
+        for p, g in zip(params, actual):
+            p.grad = g
+        return cos
 
     def _ref_log_probs(self, packed: PackedBatch) -> Optional[torch.Tensor]:
         if self.ref_model is None:

@@ -28,10 +28,11 @@ def layout_of(cfg: Config, world_size: int) -> Layout:
 
 
 def resolve_model_dir(cfg: Config) -> str:
-    """``policy.model_name`` or the embedded tiny model; missing dirs are a clear error."""
+    """``policy.model_name``, ``tiny:qwen3`` / ``tiny:qwen3-moe``, or (null) the embedded tiny Qwen3."""
     from megatron_grpo.models.tiny import default_model_dir
 
-    path = cfg.policy.model_name or default_model_dir()
+    name = cfg.policy.model_name
+    path = default_model_dir(name.split(":", 1)[1]) if name and name.startswith("tiny:") else (name or default_model_dir())
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise FileNotFoundError(f"policy.model_name: {path} is not a Hugging Face checkpoint dir (no config.json)")
     return path

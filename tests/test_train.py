@@ -39,7 +39,8 @@ def run_cli(args, log_dir, nproc=1, timeout=900):
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory, tiny_dense):
     log_dir = str(tmp_path_factory.mktemp("run-fp32"))
-    code, out, rows = run_cli([f"policy.model_name={tiny_dense}", "grpo.max_num_steps=16"], log_dir)
+    code, out, rows = run_cli([f"policy.model_name={tiny_dense}", "grpo.max_num_steps=16",
+                               "grpo.grad_cos_clean_every=8"], log_dir)
     assert code == 0, out[-4000:]
     return rows
 
@@ -58,6 +59,9 @@ def test_metrics_jsonl_has_every_mechanism_metric(tiny_run):
         assert not missing, missing
     # fp32 trainer and fp32 vLLM: no precision gap, parity probe passes tightly
     assert all(r["precision/beta_abs_mean"] == 0.0 for r in tiny_run)
+    # on-policy, nothing clipped: the PPO gradient is the clean REINFORCE gradient
+    cos = [r["grad/cos_clean"] for r in tiny_run if "grad/cos_clean" in r]
+    assert len(cos) == 2 and all(c == pytest.approx(1.0, abs=1e-4) for c in cos)
     assert max(r["sync/logprob_abs_diff_mean"] for r in tiny_run) < 1e-4
 
 
@@ -67,12 +71,15 @@ def test_bf16_matched_beta_exactly_zero_and_fp32_mismatch_shows_phantom(tmp_path
     code, out, matched = run_cli(common + ["policy.precision.compute_dtype=bfloat16"], str(tmp_path / "bf16"))
     assert code == 0, out[-4000:]
     assert all(r["precision/beta_abs_mean"] == 0.0 and r["precision/beta_abs_max"] == 0.0 for r in matched)
-    code, out, mismatched = run_cli(common + ["policy.precision.generation_dtype=bfloat16"], str(tmp_path / "fp32"))
+    code, out, mismatched = run_cli(common + ["policy.precision.generation_dtype=bfloat16", "grpo.grad_cos_clean_every=1",
+                                              "loss_fn.ratio_clip_min=0.002", "loss_fn.ratio_clip_max=0.002"],
+                                    str(tmp_path / "fp32"))
     assert code == 0, out[-4000:]
     assert "phantom clipping is expected" in out
     for r in mismatched:
         assert r["precision/beta_abs_mean"] > 0
         assert "clip/phantom_region_fraction" in r and "clip/phantom_zero_grad_fraction" in r
+        assert r["clip/zero_grad_fraction"] > 0 and r["grad/cos_clean"] < 0.999  # clipping bends the gradient
 
 
 @pytest.mark.parametrize("layout", [["policy.megatron_cfg.tensor_model_parallel_size=2"], []],
@@ -99,3 +106,14 @@ def test_bad_recipe_input_exits_before_training(override, message, tmp_path):
     assert code != 0
     assert message in out
     assert rows == []
+
+
+def test_tiny_moe_ep2_matches_ep1_first_step(tmp_path, tiny_moe):
+    args = [f"policy.model_name={tiny_moe}", "grpo.max_num_steps=1"]
+    code, out, ep1 = run_cli(args + ["policy.megatron_cfg.expert_model_parallel_size=1"], str(tmp_path / "ep1"))
+    assert code == 0, out[-4000:]
+    code, out, ep2 = run_cli(args + ["policy.megatron_cfg.expert_model_parallel_size=2"], str(tmp_path / "ep2"), nproc=2)
+    assert code == 0, out[-4000:]
+    for name in ("loss/policy", "reward/mean", "train/grad_norm", "policy/kl_rollout", "sync/logprob_abs_diff_mean"):
+        assert ep2[0][name] == pytest.approx(ep1[0][name], abs=1e-5, rel=1e-4), name
+    assert ep2[0]["sync/logprob_abs_diff_mean"] < 1e-4  # expert shards pushed to vLLM's fused MoE layout

@@ -84,13 +84,13 @@ def make_tiny_model(out_dir: str, arch: str = "qwen3", *, seed: int = 0, tie_wor
     return out_dir
 
 
-def default_model_dir() -> str:
-    """The embedded default model (tiny dense Qwen3), made on first use under the user cache."""
+def default_model_dir(arch: str = "qwen3") -> str:
+    """An embedded tiny model (dense Qwen3 by default), made on first use under the user cache."""
     cache = os.environ.get("MEGATRON_GRPO_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "megatron_grpo"))
-    path = os.path.join(cache, "tiny-qwen3")
+    path = os.path.join(cache, f"tiny-{arch}")
     if not os.path.isfile(os.path.join(path, "model.safetensors")):
         tmp = path + f".tmp{os.getpid()}"
-        make_tiny_model(tmp, "qwen3")
+        make_tiny_model(tmp, arch)
         os.makedirs(cache, exist_ok=True)
         try:
             os.replace(tmp, path)

@@ -46,26 +46,40 @@ def all_reduce_gradients(named_params: Iterable) -> None:
     _sum_flat([p.grad for p in params if _is_expert(p)], ps.get_expert_data_parallel_group())
 
 
-def global_grad_norm(params: Iterable[torch.nn.Parameter]) -> torch.Tensor:
-    """L2 norm of the full model's gradient (TP duplicates counted once, shards summed)."""
+def model_sum(params: List[torch.nn.Parameter], per_param) -> torch.Tensor:
+    """Sum of ``per_param(i, p)`` over the whole model: TP duplicates counted once, shards summed
+    over the model-parallel ranks (experts over the expert model-parallel ranks)."""
     from megatron.core import parallel_state as ps
 
-    tp_rank = ps.get_tensor_model_parallel_rank()
+    tp_rank, etp_rank = ps.get_tensor_model_parallel_rank(), ps.get_expert_tensor_parallel_rank()
     dense, expert = torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.float64)
-    for p in params:
+    for i, p in enumerate(params):
         if p.grad is None:
             continue
-        sharded = getattr(p, "tensor_model_parallel", False)
-        if not sharded and (ps.get_expert_tensor_parallel_rank() if _is_expert(p) else tp_rank) != 0:
+        if not getattr(p, "tensor_model_parallel", False) and (etp_rank if _is_expert(p) else tp_rank) != 0:
             continue
-        sq = p.grad.double().pow(2).sum()
+        value = per_param(i, p).double().cpu()
         if _is_expert(p):
-            expert += sq
+            expert += value
         else:
-            dense += sq
+            dense += value
     comm.all_reduce_sum(dense, ps.get_model_parallel_group())
     comm.all_reduce_sum(expert, ps.get_expert_tensor_model_pipeline_parallel_group())
-    return (dense + expert).sqrt()
+    return dense + expert
+
+
+def global_grad_norm(params: Iterable[torch.nn.Parameter]) -> torch.Tensor:
+    """L2 norm of the full model's gradient (TP duplicates counted once, shards summed)."""
+    params = list(params)
+    return model_sum(params, lambda i, p: p.grad.double().pow(2).sum()).sqrt()
+
+
+def gradient_cosine(params: List[torch.nn.Parameter], other: List[torch.Tensor]) -> torch.Tensor:
+    """Cosine between the current ``.grad`` and ``other`` (same order), over the whole model."""
+    dot = model_sum(params, lambda i, p: (p.grad.double() * other[i].double()).sum())
+    own = model_sum(params, lambda i, p: p.grad.double().pow(2).sum())
+    theirs = model_sum(params, lambda i, p: other[i].double().pow(2).sum())
+    return (dot / (own.sqrt() * theirs.sqrt()).clamp(min=1e-30)).float()
 
 
 def clip_gradients(params: List[torch.nn.Parameter], max_norm: float, norm: torch.Tensor) -> None:
