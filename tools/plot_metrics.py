@@ -135,7 +135,9 @@ def make_figures(paths: List[str], out: str) -> List[str]:
         for dump_path in sorted(glob.glob(os.path.join(path, "tokens_step*.json")))[:1]:
             with open(dump_path) as f:
                 dump = json.load(f)
-            figures[f"ratio_scatter_{os.path.basename(os.path.normpath(path))}.png"] = ratio_scatter(dump)
+            norm = os.path.normpath(path)
+            tag = f"{os.path.basename(os.path.dirname(norm))}_{os.path.basename(norm)}".strip("_")
+            figures[f"ratio_scatter_{tag}.png"] = ratio_scatter(dump)
     written = []
     for name, fig in figures.items():
         target = os.path.join(out, name)

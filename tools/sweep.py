@@ -41,7 +41,7 @@ GRIDS: Dict[str, Dict[str, List[str]]] = {
     "writeup": {name: [] for name in ("A", "B", "F", "G", "noclip", "detach", "detach-center", "fp16")},
 }
 COLUMNS = ["run", "seeds", "final_reward", "best_reward", "steps_to_threshold", "beta_abs_mean",
-           "phantom_fraction_steps_1_5", "deployed_improvement_mean", "kl_rollout_max"]
+           "phantom_fraction_steps_1_5", "phantom_zero_grad_steps_1_5", "deployed_improvement_mean", "kl_rollout_max"]
 
 
 def recipe_for(grid: str, run: str) -> str:
@@ -95,6 +95,8 @@ def summarize_seed(rows: List[dict], threshold: float) -> Dict[str, float]:
         "steps_to_threshold": float(reach[0]) if reach else float("nan"),
         "beta_abs_mean": mean(_series(rows, "precision/beta_abs_mean")),
         "phantom_fraction_steps_1_5": mean(_series([r for r in rows if r["step"] <= 5], "clip/phantom_region_fraction")),
+        "phantom_zero_grad_steps_1_5": mean(_series([r for r in rows if r["step"] <= 5],
+                                                    "clip/phantom_zero_grad_fraction")),
         "deployed_improvement_mean": mean(_series(rows, "policy/deployed_improvement")),
         "kl_rollout_max": max(_series(rows, "policy/kl_rollout"), default=float("nan")),
     }
