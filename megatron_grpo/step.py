@@ -8,6 +8,7 @@ micro-batches and data-parallel ranks gives the exact global token mean.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
@@ -34,15 +35,20 @@ class StepBatch:
     """[b]"""
     num_global_tokens: torch.Tensor
     num_global_seqs: torch.Tensor
+    routes: Optional[torch.Tensor] = None
+    """R3: ``[b, S, layers, k]`` experts the generator routed each position to (-1: none)"""
 
     def to(self, device) -> "StepBatch":
         return StepBatch(self.packed.to(device), self.old_log_probs.to(device), self.advantages.to(device),
-                         self.num_global_tokens.to(device), self.num_global_seqs.to(device))
+                         self.num_global_tokens.to(device), self.num_global_seqs.to(device),
+                         None if self.routes is None else self.routes.to(device))
 
 
 def build_step_batch(rollouts: Rollouts, advantages: torch.Tensor, dp_rank: int, dp_size: int,
                      pad_id: int) -> StepBatch:
     """Packs all rollouts (identically on every rank) and keeps this DP rank's contiguous rows."""
+    from megatron_grpo.models.routing import generator_routes
+
     seqs = [r.prompt_ids + r.completion_ids for r in rollouts]
     prompt_lens = [len(r.prompt_ids) for r in rollouts]
     packed = pack(seqs, prompt_lens, pad_id)
@@ -52,8 +58,9 @@ def build_step_batch(rollouts: Rollouts, advantages: torch.Tensor, dp_rank: int,
         old[i, start : start + len(r.logprobs)] = torch.tensor(r.logprobs, dtype=torch.float32)
     rows = packed.input_ids.shape[0] // dp_size
     sl = slice(dp_rank * rows, (dp_rank + 1) * rows)
+    routes = generator_routes(rollouts, packed.input_ids.shape[1])
     return StepBatch(packed.rows(sl), old[sl], advantages[sl].float(), packed.mask.sum().double(),
-                     packed.mask.any(-1).sum().double())
+                     packed.mask.any(-1).sum().double(), None if routes is None else routes[sl])
 
 
 class TrainStep:
@@ -65,12 +72,25 @@ class TrainStep:
         p = cfg.policy.precision
         self.params_dtype, self.compute_dtype = to_dtype(p.params_dtype), to_dtype(p.compute_dtype)
         self.shadow_dtype = to_dtype(p.shadow_dtype)
+        self.routing = make_routing(model, cfg)
+        self.replay = cfg.policy.megatron_cfg.moe_routing_replay
+        router_gap = self.routing is not None and self.routing.shadow_dtype != self.routing.train_dtype
+        self.needs_shadow = p.needs_shadow or router_gap
+        """The shadow forward runs when its precision (or, MoE, its router precision) differs."""
 
-    def lowp_log_probs(self, packed: PackedBatch, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-        """No-grad log-probs at the current weights in the shadow (or given) dtype."""
-        return forward_log_probs(self.model, packed, compute_dtype=dtype or self.shadow_dtype,
-                                 params_dtype=self.params_dtype, temperature=self.cfg.generation.temperature,
-                                 tp_group=self.tp_group, micro_batch_size=self.cfg.policy.train_micro_batch_size)
+    def lowp_log_probs(self, packed: PackedBatch, dtype: Optional[torch.dtype] = None,
+                       routes: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """No-grad log-probs at the current weights in the shadow (or given) dtype and, MoE, with
+        the generator's router precision (replaying ``routes`` when given)."""
+        with self._routes(shadow=True, targets=routes):
+            return forward_log_probs(self.model, packed, compute_dtype=dtype or self.shadow_dtype,
+                                     params_dtype=self.params_dtype, temperature=self.cfg.generation.temperature,
+                                     tp_group=self.tp_group, micro_batch_size=self.cfg.policy.train_micro_batch_size)
+
+    def _routes(self, shadow: bool, targets: Optional[torch.Tensor] = None):
+        if self.routing is None:
+            return contextlib.nullcontext()
+        return self.routing.forward(shadow, targets, self.cfg.policy.train_micro_batch_size)
 
     def run(self, batch: StepBatch, step: int = 0) -> Tuple[StatSet, Dict[str, torch.Tensor]]:
         """Shadow forward -> forward-backward -> optimizer step -> deployed-improvement probe.
@@ -81,10 +101,12 @@ class TrainStep:
 
         self.current_step, self.nonfinite = step, []
         batch = batch.to(model_device(self.model))
-        shadow = self.lowp_log_probs(batch.packed) if self.cfg.policy.precision.needs_shadow else None
+        shadow, shadow_routes, self.replay_routes = self._shadow_forward(batch)
         ref = self._ref_log_probs(batch.packed)
         self.optimizer.zero_grad()
-        stats, train_lp = self.forward_backward(batch, shadow, ref)
+        stats, train_lp = self.forward_backward(batch, shadow, ref, self.replay_routes)
+        if self.routing is not None:
+            self._routing_stats(stats, batch, train_lp, shadow, shadow_routes)
         self.last_log_probs = (train_lp, shadow if shadow is not None else train_lp)
         if comm.all_reduce_max(torch.tensor(float(bool(self.nonfinite))), comm.world_group()).item():
             self.optimizer.zero_grad()
@@ -105,7 +127,7 @@ class TrainStep:
 
     def cos_clean(self, batch: StepBatch) -> torch.Tensor:
         """Cosine between the (reduced) actual gradient and the clean REINFORCE gradient
-        -(A * logp * mask).sum() / num_tokens; leaves the actual gradient in place."""
+        -(A * logp * mask).sum() / num_tokens (same routing replay); leaves the actual gradient in place."""
         from megatron_grpo.models import forward_logits
         from megatron_grpo.parallel import grads as grad_utils
 
@@ -118,7 +140,8 @@ class TrainStep:
         scale = self.optimizer.loss_scale()
         for i in range(0, batch.packed.input_ids.shape[0], mbs):
             mb, sl = batch.packed.rows(slice(i, i + mbs)), slice(i, i + mbs)
-            with precision_context(self.compute_dtype, self.params_dtype):
+            routes = None if self.replay_routes is None else self.replay_routes[sl]
+            with precision_context(self.compute_dtype, self.params_dtype), self._routes(False, routes):
                 logits = forward_logits(self.model, mb.input_ids)
             lp = log_probs_from_logits(logits, mb.labels, self.cfg.generation.temperature, self.tp_group)
             loss = -(batch.advantages[sl].unsqueeze(-1) * lp * mb.mask).sum() / batch.num_global_tokens
@@ -136,8 +159,39 @@ class TrainStep:
                                  params_dtype=self.params_dtype, temperature=self.cfg.generation.temperature,
                                  tp_group=self.tp_group, micro_batch_size=self.cfg.policy.train_micro_batch_size)
 
-    def forward_backward(self, batch: StepBatch, shadow, ref) -> Tuple[StatSet, torch.Tensor]:
-        """Megatron's schedule over micro-batches; returns merged stats and the trainer's log-probs."""
+    def _shadow_forward(self, batch: StepBatch):
+        """Shadow log-probs (None when skipped), the shadow's routing, and the routing the
+        training forward replays (R2: the shadow's; R3: the generator's; else None)."""
+        generator_routes = self._generator_routes(batch)
+        if not self.needs_shadow:
+            return None, None, generator_routes
+        shadow = self.lowp_log_probs(batch.packed, routes=generator_routes)
+        if self.routing is None:
+            return shadow, None, None
+        shadow_routes = self.routing.take(batch.packed.input_ids.shape[1])
+        return shadow, shadow_routes, {"R2": shadow_routes, "R3": generator_routes}.get(self.replay)
+
+    def _generator_routes(self, batch: StepBatch) -> Optional[torch.Tensor]:
+        from megatron_grpo.models.routing import select_layers
+
+        if self.replay != "R3":
+            return None
+        if batch.routes is None:
+            raise ValueError("policy.megatron_cfg.moe_routing_replay=R3: the rollouts carry no routed experts")
+        return select_layers(batch.routes, self.routing.layer_numbers)
+
+    def _routing_stats(self, stats: StatSet, batch: StepBatch, train_lp, shadow, shadow_routes) -> None:
+        """Routing agreement of the training forward with the shadow's (the generator's) routing."""
+        from megatron_grpo.loss.metrics import routing_stats
+
+        used, natural = self.train_routes
+        reference = shadow_routes if shadow_routes is not None else used
+        beta = train_lp - shadow if shadow is not None else torch.zeros_like(train_lp)
+        routing_stats(stats, used, natural, reference, beta, batch.packed.mask)
+
+    def forward_backward(self, batch: StepBatch, shadow, ref, replay=None) -> Tuple[StatSet, torch.Tensor]:
+        """Megatron's schedule over micro-batches (MoE: replaying ``replay`` routing when given);
+        returns merged stats and the trainer's log-probs."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         mbs = self.cfg.policy.train_micro_batch_size
@@ -169,10 +223,13 @@ class TrainStep:
                 logits = forward_logits(model, batch.packed.input_ids[sl])
             return logits, functools.partial(loss_func, sl)
 
-        get_forward_backward_func()(
-            forward_step_func=forward_step, data_iterator=iter(slices), model=self.model,
-            num_microbatches=len(slices), seq_length=batch.packed.input_ids.shape[1], micro_batch_size=mbs,
-            forward_only=False)
+        seq_len = batch.packed.input_ids.shape[1]
+        with self._routes(shadow=False, targets=replay):
+            get_forward_backward_func()(
+                forward_step_func=forward_step, data_iterator=iter(slices), model=self.model,
+                num_microbatches=len(slices), seq_length=seq_len, micro_batch_size=mbs, forward_only=False)
+            if self.routing is not None:
+                self.train_routes = (self.routing.take(seq_len, "used"), self.routing.take(seq_len, "natural"))
         return stats, torch.cat(log_probs, dim=0)
 
     def _sanitize(self, lp: torch.Tensor, fallback: torch.Tensor, mask: torch.Tensor, microbatch: int) -> torch.Tensor:
@@ -193,6 +250,21 @@ class TrainStep:
         for module in (self.model, unwrap(self.model)):
             if hasattr(module, "config"):
                 module.config.grad_scale_func = fn
+
+
+def make_routing(model, cfg: Config):
+    """The MoE ``Routing`` control of ``model`` (None for a dense model)."""
+    from megatron_grpo.models import unwrap
+    from megatron_grpo.models.routing import Routing
+
+    m, p = cfg.policy.megatron_cfg, cfg.policy.precision
+    if not getattr(unwrap(model).config, "num_moe_experts", None):
+        if m.moe_routing_replay != "none":
+            raise ValueError(f"policy.megatron_cfg.moe_routing_replay={m.moe_routing_replay} needs a MoE model; "
+                             f"policy.model_name is dense")
+        return None
+    train_dtype = {"fp32": torch.float32, "fp64": torch.float64}[m.moe_router_dtype]
+    return Routing(model, train_dtype, to_dtype(p.shadow_router_dtype))
 
 
 def rollout_metrics(rollouts: Rollouts, rewards: torch.Tensor) -> Dict[str, torch.Tensor]:

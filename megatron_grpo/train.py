@@ -292,6 +292,10 @@ def describe_layout(cfg: Config, world_size: int) -> Dict:
     validate_layout(layout, num_layers=shape.num_layers if shape else None,
                     num_experts=shape.num_experts if shape else None,
                     num_query_groups=shape.num_kv_heads if shape else None)
+    if shape is not None:
+        from megatron_grpo.setup import check_moe_options
+
+        check_moe_options(cfg, shape)
     return {"config": to_dict(cfg), "layout": {"world_size": layout.world_size, "tp": layout.tp, "pp": layout.pp,
                                                "cp": layout.cp, "ep": layout.ep, "etp": layout.etp, "dp": layout.dp}}
 

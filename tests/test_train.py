@@ -118,3 +118,5 @@ def test_tiny_moe_ep2_matches_ep1_first_step(tmp_path, tiny_moe):
     for name in ("loss/policy", "reward/mean", "train/grad_norm", "policy/kl_rollout", "sync/logprob_abs_diff_mean"):
         assert ep2[0][name] == pytest.approx(ep1[0][name], abs=1e-5, rel=1e-4), name
     assert ep2[0]["sync/logprob_abs_diff_mean"] < 1e-4  # expert shards pushed to vLLM's fused MoE layout
+    # fp32 trainer, fp32 router, fp32 vLLM: the routing metrics are logged and show no mismatch
+    assert ep2[0]["moe/route_mismatch_fraction"] == 0.0 and ep2[0]["moe/tokens_any_mismatch"] == 0.0

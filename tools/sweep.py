@@ -6,6 +6,7 @@ each as its own ``megatron-grpo train`` process (``--nproc N`` wraps it in torch
 Resumable: a run whose ``metrics.jsonl`` already has all its steps is not redone.
 
     python tools/sweep.py --grid tiny-phantom --out runs/sweep-tiny --seeds 0 1 2
+    python tools/sweep.py --grid tiny-moe-routing --out runs/moe-routing --seeds 0 1 --steps 10
     python tools/sweep.py --grid writeup --out runs/sweep-0.6b --nproc 8      # on a GPU node
 """
 
@@ -27,6 +28,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # tiny model's measured beta (see that recipe and docs/results/tiny-phantom.md).
 _TINY = "recipes/grpo-tiny-phantom-cpu.yaml"
 _FP32_VS_BF16 = ["policy.precision.compute_dtype=float32", "policy.precision.generation_dtype=bfloat16"]
+_EP1 = ["policy.megatron_cfg.expert_model_parallel_size=1"]
+_BF16_MATCHED = ["policy.precision.compute_dtype=bfloat16", "policy.precision.generation_dtype=bfloat16"] + _EP1
 GRIDS: Dict[str, Dict[str, List[str]]] = {
     "tiny-phantom": {
         "A-bf16-autocast": ["policy.precision.compute_dtype=bfloat16", "policy.precision.generation_dtype=bfloat16"],
@@ -38,14 +41,24 @@ GRIDS: Dict[str, Dict[str, List[str]]] = {
         "detach-center": _FP32_VS_BF16 + ["loss_fn.clip=detach_center"],
         "fp16-matched": ["policy.precision.compute_dtype=float16", "policy.precision.generation_dtype=float16"],
     },
+    # tiny Qwen3-MoE (EP=1 here; --nproc 2 + policy.megatron_cfg.expert_model_parallel_size=2 for EP=2):
+    # routing mismatch from the generator's precision and from its bf16 router gate, with and without R2
+    "tiny-moe-routing": {
+        "fp32-vs-bf16": _FP32_VS_BF16 + _EP1,
+        "fp32-vs-bf16-R2": _FP32_VS_BF16 + _EP1 + ["policy.megatron_cfg.moe_routing_replay=R2"],
+        "bf16-matched": _BF16_MATCHED,
+        "bf16-matched-R2": _BF16_MATCHED + ["policy.megatron_cfg.moe_routing_replay=R2"],
+    },
     "writeup": {name: [] for name in ("A", "B", "F", "G", "noclip", "detach", "detach-center", "fp16")},
 }
+RECIPES = {"tiny-phantom": _TINY, "tiny-moe-routing": "recipes/grpo-tiny-moe-ep2-cpu.yaml"}
 COLUMNS = ["run", "seeds", "final_reward", "best_reward", "steps_to_threshold", "beta_abs_mean",
-           "phantom_fraction_steps_1_5", "phantom_zero_grad_steps_1_5", "deployed_improvement_mean", "kl_rollout_max"]
+           "phantom_fraction_steps_1_5", "phantom_zero_grad_steps_1_5", "deployed_improvement_mean", "kl_rollout_max",
+           "route_mismatch_fraction", "tokens_any_mismatch", "beta_abs_mean_route_mismatch"]
 
 
 def recipe_for(grid: str, run: str) -> str:
-    return _TINY if grid == "tiny-phantom" else f"recipes/grpo-qwen3-0.6b-eos-{run}.yaml"
+    return RECIPES.get(grid) or f"recipes/grpo-qwen3-0.6b-eos-{run}.yaml"
 
 
 def command(grid: str, run: str, seed: int, log_dir: str, steps: int, nproc: int, extra: Sequence[str]) -> List[str]:
@@ -99,6 +112,9 @@ def summarize_seed(rows: List[dict], threshold: float) -> Dict[str, float]:
                                                     "clip/phantom_zero_grad_fraction")),
         "deployed_improvement_mean": mean(_series(rows, "policy/deployed_improvement")),
         "kl_rollout_max": max(_series(rows, "policy/kl_rollout"), default=float("nan")),
+        "route_mismatch_fraction": mean(_series(rows, "moe/route_mismatch_fraction")),
+        "tokens_any_mismatch": mean(_series(rows, "moe/tokens_any_mismatch")),
+        "beta_abs_mean_route_mismatch": mean(_series(rows, "precision/beta_abs_mean_route_mismatch")),
     }
 
 

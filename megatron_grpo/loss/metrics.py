@@ -69,6 +69,25 @@ def clip_stats(stats: StatSet, clip_variant, ratio_value, clean_ratio, adv, mask
     stats.add_sum("clip_legit_zero_grad", (zero & clean_zero & mask).sum())
 
 
+def routing_stats(stats: StatSet, train_routes, natural_routes, ref_routes, beta, mask) -> None:
+    """MoE routing agreement per (token, layer) between the routing the trainer's forward used
+    and the reference (shadow/generator) routing, the share the replay overrode, and |beta|
+    split by whether a token's routing matched in every layer. Routes are ``[B, S, L, k]``."""
+    from megatron_grpo.models.routing import same_experts
+
+    differ = ~same_experts(train_routes, ref_routes)
+    replayed = ~same_experts(train_routes, natural_routes)
+    any_differ = differ.any(-1)
+    per_layer = mask.unsqueeze(-1)
+    beta_abs = beta.detach().double().abs()
+    stats.add_sum("route_decisions", mask.sum() * differ.shape[-1])
+    stats.add_sum("route_mismatch", (differ & per_layer).sum())
+    stats.add_sum("route_replayed", (replayed & per_layer).sum())
+    stats.add_sum("route_tokens_mismatch", (any_differ & mask).sum())
+    stats.add_sum("beta_abs_route_mismatch", masked_sum(beta_abs, mask & any_differ))
+    stats.add_sum("beta_abs_route_match", masked_sum(beta_abs, mask & ~any_differ))
+
+
 def k3(log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
     """Schulman's k3 estimator of KL(p || q) per token: exp(q - p) - (q - p) - 1 (>= 0)."""
     diff = (log_q - log_p).clamp(-20.0, 20.0)
@@ -109,6 +128,8 @@ def finalize(sums: Dict[str, torch.Tensor], maxes: Dict[str, torch.Tensor]) -> D
             out[metric] = _safe_div(sums[key], n)
     if "beta" in sums:
         out.update(_precision_metrics(sums, maxes, n))
+    if "route_decisions" in sums:
+        out.update(_routing_metrics(sums, n))
     return {k: v.float() for k, v in out.items()}
 
 
@@ -132,3 +153,14 @@ def _precision_metrics(sums, maxes, n) -> Dict[str, torch.Tensor]:
     for name in ("common", "medium", "rare"):
         out[f"precision/beta_abs_mean_{name}"] = _safe_div(sums[f"beta_abs_{name}"], sums[f"n_{name}"])
     return out
+
+
+def _routing_metrics(sums, n) -> Dict[str, torch.Tensor]:
+    decisions, mismatched_tokens = sums["route_decisions"], sums["route_tokens_mismatch"]
+    return {
+        "moe/route_mismatch_fraction": _safe_div(sums["route_mismatch"], decisions),
+        "moe/route_replayed_fraction": _safe_div(sums["route_replayed"], decisions),
+        "moe/tokens_any_mismatch": _safe_div(mismatched_tokens, n),
+        "precision/beta_abs_mean_route_match": _safe_div(sums["beta_abs_route_match"], n - mismatched_tokens),
+        "precision/beta_abs_mean_route_mismatch": _safe_div(sums["beta_abs_route_mismatch"], mismatched_tokens),
+    }

@@ -8,7 +8,8 @@ from megatron_grpo.models.qwen3 import ModelShape, build_gpt_model, load_hf_conf
 
 
 def build_from_hf(model_dir: str, *, params_dtype: torch.dtype = torch.float32, router_dtype: str = "fp32",
-                  backend: str = "auto", load_weights: bool = True, moe_aux_loss_coeff: float = 0.0):
+                  backend: str = "auto", load_weights: bool = True, moe_aux_loss_coeff: float = 0.0,
+                  moe_z_loss_coeff: float = 0.0):
     """Builds this rank's Megatron ``GPTModel`` for an HF Qwen3 checkpoint dir (parallel state must be set).
 
     Returns ``(model, shape)``; the model holds the checkpoint's weights unless ``load_weights=False``.
@@ -28,7 +29,7 @@ def build_from_hf(model_dir: str, *, params_dtype: torch.dtype = torch.float32, 
     config = transformer_config(
         shape, params_dtype=params_dtype, tp=tp, pp=ps.get_pipeline_model_parallel_world_size(),
         ep=ps.get_expert_model_parallel_world_size(), etp=ps.get_expert_tensor_parallel_world_size(),
-        router_dtype=router_dtype, moe_aux_loss_coeff=moe_aux_loss_coeff,
+        router_dtype=router_dtype, moe_aux_loss_coeff=moe_aux_loss_coeff, moe_z_loss_coeff=moe_z_loss_coeff,
     )
     model = build_gpt_model(shape, config, backend=backend)
     if load_weights:

@@ -80,7 +80,7 @@ def shape_from_hf(cfg: Dict[str, Any]) -> ModelShape:
 
 def transformer_config(shape: ModelShape, *, params_dtype: torch.dtype = torch.float32, tp: int = 1, pp: int = 1,
                        ep: int = 1, etp: int = 1, router_dtype: str = "fp32", moe_aux_loss_coeff: float = 0.0,
-                       sequence_parallel: bool = False):
+                       moe_z_loss_coeff: float = 0.0, sequence_parallel: bool = False):
     """A Megatron ``TransformerConfig`` equivalent to the HF Qwen3 architecture."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -93,7 +93,8 @@ def transformer_config(shape: ModelShape, *, params_dtype: torch.dtype = torch.f
             moe_router_pre_softmax=not shape.norm_topk_prob, moe_router_score_function="softmax",
             moe_router_dtype=router_dtype, moe_token_dispatcher_type="allgather",
             moe_router_load_balancing_type="aux_loss" if moe_aux_loss_coeff > 0 else "none",
-            moe_aux_loss_coeff=moe_aux_loss_coeff, moe_grouped_gemm=False,
+            moe_aux_loss_coeff=moe_aux_loss_coeff, moe_z_loss_coeff=moe_z_loss_coeff or None,
+            moe_grouped_gemm=False,
         )
     return TransformerConfig(
         num_layers=shape.num_layers, hidden_size=shape.hidden_size, num_attention_heads=shape.num_heads,

@@ -33,6 +33,9 @@ class Rollout:
     finish_reason: str
     policy_version: int
     text: Optional[str] = None
+    routed_experts: Optional[object] = None
+    """R3 only: the experts vLLM routed each position to, ``[positions, layers, top-k]`` ints over
+    prompt + completion (the last sampled token is never forwarded); None when not requested."""
 
 
 @dataclass

@@ -34,14 +34,16 @@ class VLLMEngine(RolloutEngine):
 
     def __init__(self, model_dir: str, dtype: torch.dtype, *, max_model_len: int = 512, seed: int = 0,
                  gpu_memory_utilization: float = 0.5, kv_cache_gib: int = 1, start_timeout_s: float = 600.0,
-                 request_timeout_s: float = 600.0, is_moe: bool = False):
+                 request_timeout_s: float = 600.0, is_moe: bool = False,
+                 return_routed_experts: bool = False):
         if dtype not in DTYPE_NAMES:
             raise ValueError(f"generation dtype must be one of {list(DTYPE_NAMES.values())}, got {dtype}")
         self.dtype = dtype
         self.is_moe = is_moe
         self.request_timeout_s = request_timeout_s
         self.options = dict(model=model_dir, dtype=DTYPE_NAMES[dtype], max_model_len=max_model_len, seed=seed,
-                            gpu_memory_utilization=gpu_memory_utilization, kv_cache_gib=kv_cache_gib)
+                            gpu_memory_utilization=gpu_memory_utilization, kv_cache_gib=kv_cache_gib,
+                            return_routed_experts=return_routed_experts)
         self._start(start_timeout_s)
 
     def _start(self, timeout_s: float) -> None:
@@ -101,10 +103,11 @@ class VLLMEngine(RolloutEngine):
         request_id, prompt_token_ids, n, version = handle
         results = self._wait(request_id, "generate", self.request_timeout_s)
         items = []
-        for k, (ids, logprobs, reason) in enumerate(results):
+        for k, (ids, logprobs, reason, routes) in enumerate(results):
             p = k // n
             items.append(Rollout(prompt_index=p, prompt_ids=list(prompt_token_ids[p]), completion_ids=ids,
-                                 logprobs=logprobs, finish_reason=str(reason), policy_version=version))
+                                 logprobs=logprobs, finish_reason=str(reason), policy_version=version,
+                                 routed_experts=routes))
         return Rollouts(items)
 
     def score(self, sequences: Sequence[Sequence[int]], prompt_lens: Sequence[int]) -> List[List[float]]:

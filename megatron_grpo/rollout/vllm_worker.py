@@ -68,11 +68,17 @@ def serve(options: dict, requests, responses) -> None:
 def _build(options: dict):
     from vllm import LLM
 
+    extra = {}
+    if options.get("return_routed_experts"):
+        # vLLM returns routed experts through its AuxOutput connector, which needs Model Runner V2
+        os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "1")
+        extra["enable_return_routed_experts"] = True
+        extra["enable_prefix_caching"] = False  # every position's routing comes from this request's forward
     return LLM(
         model=options["model"], dtype=options["dtype"], enforce_eager=True, distributed_executor_backend="uni",
         skip_tokenizer_init=True, logprobs_mode="processed_logprobs", seed=options.get("seed", 0),
         max_model_len=options["max_model_len"], gpu_memory_utilization=options.get("gpu_memory_utilization", 0.5),
-        enable_prefix_caching=True,
+        **{"enable_prefix_caching": True, **extra},
     )
 
 
@@ -95,7 +101,9 @@ def _generate(llm, payload, requests):
     for out in outputs:
         completion = out.outputs[0]
         logprobs = [entry[tok].logprob for tok, entry in zip(completion.token_ids, completion.logprobs)]
-        results.append((list(completion.token_ids), logprobs, completion.finish_reason))
+        routes = getattr(completion, "routed_experts", None)
+        results.append((list(completion.token_ids), logprobs, completion.finish_reason,
+                         None if routes is None else routes.astype("int16")))
     return results
 
 
