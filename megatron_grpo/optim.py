@@ -42,6 +42,7 @@ class Optimizer:
     def __init__(self, model: torch.nn.Module, cfg: OptimizerConfig, precision: PrecisionConfig):
         self.cfg = cfg
         self.named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        grad_utils.tag_expert_params(self.named)
         self.params: List[torch.nn.Parameter] = [p for _, p in self.named]
         self.half = any(p.dtype != torch.float32 for p in self.params)
         self.master = [p.detach().float().clone().requires_grad_(True) for p in self.params] if self.half else self.params

@@ -21,7 +21,7 @@ def _ids(seed=0, batch=2, seq=24):
     return torch.randint(0, 1000, (batch, seq), generator=torch.Generator().manual_seed(seed))
 
 
-def _parity_worker(model_dir, tp, ep):
+def _parity_worker(model_dir, tp, ep, etp=1):
     """Runs on each rank: Megatron logits (gathered over TP) and the exported HF tensors."""
     from megatron.core import parallel_state as ps
 
@@ -29,7 +29,8 @@ def _parity_worker(model_dir, tp, ep):
     from megatron_grpo.models.weights import export_hf_tensors
     from megatron_grpo.parallel import comm, state
 
-    state.initialize_model_parallel(state.Layout(world_size=int(os.environ.get("WORLD_SIZE", "1")), tp=tp, ep=ep))
+    state.initialize_model_parallel(state.Layout(world_size=int(os.environ.get("WORLD_SIZE", "1")), tp=tp, ep=ep,
+                                                 etp=etp))
     model, shape = build_from_hf(model_dir)
     with torch.no_grad():
         logits = forward_logits(model, _ids())
@@ -61,8 +62,9 @@ def test_tp2_dense_logits_and_bit_exact_round_trip(tiny_dense):
     _check(run_distributed(_parity_worker, 2, tiny_dense, 2, 1), tiny_dense, 1e-4)
 
 
-def test_ep2_moe_logits_and_round_trip(tiny_moe):
-    _check(run_distributed(_parity_worker, 2, tiny_moe, 1, 2), tiny_moe, 1e-3)
+@pytest.mark.parametrize("ep, etp", [(2, 1), (1, 2)], ids=["ep2", "etp2"])
+def test_expert_parallel_moe_logits_and_round_trip(ep, etp, tiny_moe):
+    _check(run_distributed(_parity_worker, 2, tiny_moe, 1, ep, etp), tiny_moe, 1e-3)
 
 
 def test_tied_embeddings_parity(tiny_tied, megatron_single):

@@ -16,8 +16,16 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from megatron_grpo.parallel import comm
 
 
+def tag_expert_params(named_params: Iterable) -> None:
+    """Marks MoE expert parameters. Megatron sets ``allreduce = False`` on them only when
+    EP > 1; with EP = 1 and expert-TP > 1 they are still ETP shards, reduced over expert-DP."""
+    for name, param in named_params:
+        if ".experts." in name:
+            param.megatron_grpo_expert = True
+
+
 def _is_expert(param) -> bool:
-    return not getattr(param, "allreduce", True)
+    return getattr(param, "megatron_grpo_expert", False) or not getattr(param, "allreduce", True)
 
 
 def _sum_flat(grads: List[torch.Tensor], group) -> None:
