@@ -71,3 +71,22 @@ def test_report_combines_table_and_figures(sweep_dir):
     text = open(path).read()
     assert "| run |" in text and "figures/beta.png" in text and "ratio_scatter" in text
     assert os.path.isfile(os.path.join(out, "report.html"))
+
+
+def test_moe_runs_get_routing_figures(tmp_path):
+    import plot_metrics
+
+    runs = []
+    for name, mismatch in (("none", 0.004), ("R2", 0.0)):
+        path = tmp_path / name
+        path.mkdir()
+        rows = [{"step": s, "precision/beta_abs_mean": 1e-3, "moe/route_mismatch_fraction": mismatch,
+                 "moe/tokens_any_mismatch": 2 * mismatch, "precision/beta_abs_mean_route_match": 1e-3,
+                 "precision/beta_abs_mean_route_mismatch": 1e-2 if mismatch else 0.0} for s in (1, 2, 3)]
+        (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        runs.append(str(path))
+    names = {os.path.basename(p) for p in plot_metrics.make_figures(runs, str(tmp_path / "figs"))}
+    assert {"moe_route_mismatch.png", "moe_tokens_any_mismatch.png", "beta_by_routing.png"} <= names
+    fig = plot_metrics.routing_beta_figure(plot_metrics.load_runs(runs))
+    heights = [round(bar.get_height(), 6) for bar in fig.axes[0].patches]
+    assert heights == [1e-3, 1e-2, 1e-3, 0.0]

@@ -105,6 +105,31 @@ def rarity_figure(runs: Dict[str, List[dict]]):
     return fig
 
 
+MOE_FIGURES = {
+    "moe_route_mismatch.png": ("moe/route_mismatch_fraction", "(token, layer) routing decisions: trainer != shadow"),
+    "moe_tokens_any_mismatch.png": ("moe/tokens_any_mismatch", "tokens routed differently in some layer"),
+}
+
+
+def routing_beta_figure(runs: Dict[str, List[dict]]):
+    """Mean |beta| of tokens whose routing matched the generator's in every layer vs not, per run."""
+    fig, ax = plt.subplots(figsize=(7, 4))
+    width = 0.8 / max(len(runs), 1)
+    for i, (label, rows) in enumerate(runs.items()):
+        means = []
+        for part in ("match", "mismatch"):
+            _, y = _xy(rows, f"precision/beta_abs_mean_route_{part}")
+            means.append(sum(y) / len(y) if y else 0.0)
+        ax.bar([k + i * width for k in range(2)], means, width=width, label=label, color=f"C{i % 10}")
+    ax.set_xticks([k + 0.4 - width / 2 for k in range(2)])
+    ax.set_xticklabels(["routing matched", "routing differed (some layer)"])
+    ax.set_ylabel("mean |beta|")
+    ax.set_title("MoE: precision gap by routing agreement")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    return fig
+
+
 def ratio_scatter(dump: dict):
     """Actual ratio exp(alpha+beta) vs clean ratio exp(alpha) per token, with the clip boundaries."""
     old, lp, sh = dump["old_log_probs"], dump["log_probs"], dump["shadow_log_probs"]
@@ -131,6 +156,9 @@ def make_figures(paths: List[str], out: str) -> List[str]:
     figures = {name: line_figure(runs, key, title) for name, (key, title) in LINE_FIGURES.items()}
     figures["clip_fractions.png"] = clip_figure(runs)
     figures["beta_by_rarity.png"] = rarity_figure(runs)
+    if any("moe/route_mismatch_fraction" in r for rows in runs.values() for r in rows):
+        figures.update({name: line_figure(runs, key, title) for name, (key, title) in MOE_FIGURES.items()})
+        figures["beta_by_routing.png"] = routing_beta_figure(runs)
     for path in paths:
         for dump_path in sorted(glob.glob(os.path.join(path, "tokens_step*.json")))[:1]:
             with open(dump_path) as f:
