@@ -73,6 +73,8 @@ class TrainStep:
         self.params_dtype, self.compute_dtype = to_dtype(p.params_dtype), to_dtype(p.compute_dtype)
         self.shadow_dtype = to_dtype(p.shadow_dtype)
         self.routing = make_routing(model, cfg)
+        if ref_model is not None:
+            make_routing(ref_model, cfg)  # the reference's router gate in moe_router_dtype too
         self.replay = cfg.policy.megatron_cfg.moe_routing_replay
         router_gap = self.routing is not None and self.routing.shadow_dtype != self.routing.train_dtype
         self.needs_shadow = p.needs_shadow or router_gap

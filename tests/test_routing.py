@@ -32,7 +32,7 @@ def near_tie_moe(tmp_path_factory):
     return path
 
 
-def _stepper(model_dir, *overrides):
+def _stepper(model_dir, *overrides, with_ref=False):
     from megatron_grpo.models import build_from_hf
     from megatron_grpo.optim import Optimizer
     from megatron_grpo.recipe import load_recipe
@@ -41,7 +41,8 @@ def _stepper(model_dir, *overrides):
     cfg = load_recipe(RECIPE, [f"policy.model_name={model_dir}", "grpo.deployed_improvement=false",
                                "policy.train_micro_batch_size=4", *overrides])
     model, _ = build_from_hf(model_dir)
-    return TrainStep(model, Optimizer(model, cfg.policy.optimizer, cfg.policy.precision), cfg, None, None)
+    ref = build_from_hf(model_dir)[0].requires_grad_(False) if with_ref else None
+    return TrainStep(model, Optimizer(model, cfg.policy.optimizer, cfg.policy.precision), cfg, None, None, ref)
 
 
 def _sequences():
@@ -105,9 +106,10 @@ def test_tap_records_and_replays_through_megatrons_topk(megatron_single):
 
 def test_fp32_matched_moe_has_zero_routing_mismatch_and_skips_the_shadow(tiny_moe, megatron_single):
     old, adv = _generator_view(tiny_moe, "float32")
-    st = _stepper(tiny_moe)
+    st = _stepper(tiny_moe, "loss_fn.reference_policy_kl_penalty=0.1", with_ref=True)
     assert not st.needs_shadow
     m = _metrics(st, _step_batch(old, adv))
+    assert m["policy/kl_ref"] == 0.0  # the reference (same weights, same router precision) equals the policy
     for name in ("moe/route_mismatch_fraction", "moe/tokens_any_mismatch", "moe/route_replayed_fraction",
                  "precision/beta_abs_mean", "precision/beta_abs_mean_route_match"):
         assert m[name] == 0.0, name
