@@ -112,3 +112,75 @@ def test_nan_log_probs_skip_the_step_and_repeated_nans_stop_the_run(tmp_path, ti
     finally:
         del os.environ["MEGATRON_GRPO_FAULT_NAN_STEP"]
     assert code != 0 and "step 2: log_probs of micro-batch 0" in out
+
+
+# ---- expert-parallel checkpoints: the same files from EP=1 and EP=2, loadable at either ---------------
+
+
+def _fake_trainer(st, shape, checkpoint_dir):
+    from types import SimpleNamespace as NS
+
+    import torch.distributed as dist
+
+    ctx = NS(rank=dist.get_rank(), optimizer=st.optimizer, model=st.model, shape=shape, sampler=NS(position=0))
+    return NS(ctx=ctx, cfg=NS(checkpointing=NS(checkpoint_dir=checkpoint_dir, keep_last_n=2)), step=1, version=1,
+              gate=NS(dropped=0), consecutive_skips=0)
+
+
+def _ep_checkpoint_worker(model_dir, ep, save_dir=None, load_from=None):
+    """EP=ep, DP=ep: one optimizer step on this rank's rows then a save, or a load of ``load_from``
+    then a save; returns nothing (the files are the result)."""
+    import torch
+    from megatron.core import parallel_state as ps
+
+    from megatron_grpo import resume
+    from megatron_grpo.models.qwen3 import load_hf_config, shape_from_hf
+    from megatron_grpo.parallel import state
+    from tests.test_routing import ROWS, SEQ, _step_batch, _stepper
+
+    state.initialize_model_parallel(state.Layout(world_size=ep, ep=ep))
+    st = _stepper(model_dir)
+    trainer = _fake_trainer(st, shape_from_hf(load_hf_config(model_dir)), save_dir)
+    if load_from:
+        resume.load_checkpoint(trainer, load_from)
+    else:
+        st.tp_group, st.dp_group = ps.get_tensor_model_parallel_group(), ps.get_data_parallel_group()
+        st.current_step, st.nonfinite = 0, []
+        dp, rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+        old, adv = torch.full((ROWS, SEQ), -7.0), torch.linspace(-1.0, 1.0, ROWS)
+        st.optimizer.zero_grad()
+        st.forward_backward(_step_batch(old, adv, rows=slice(rank * ROWS // dp, (rank + 1) * ROWS // dp)), None, None)
+        st.optimizer.step()
+    resume.save_checkpoint(trainer)
+
+
+def _checkpoint_tensors(root):
+    from safetensors.torch import load_file
+
+    path = ckpt.step_dir(root, 1)
+    ckpt.verify(path)
+    return {f: load_file(os.path.join(path, f)) for f in (ckpt.MODEL_FILE, ckpt.EXP_AVG_FILE, ckpt.EXP_AVG_SQ_FILE)}
+
+
+def test_expert_parallel_checkpoint_matches_ep1_and_reloads_at_another_layout(tmp_path, tiny_moe):
+    import torch
+
+    from tests._dist import run_distributed
+
+    for ep in (1, 2):
+        run_distributed(_ep_checkpoint_worker, ep, tiny_moe, ep, str(tmp_path / f"ep{ep}"))
+    ep1, ep2 = _checkpoint_tensors(str(tmp_path / "ep1")), _checkpoint_tensors(str(tmp_path / "ep2"))
+    # fp32 reduction-order noise in tiny gradients moves Adam's first, sign-like step (lr 2e-3) by < 1e-5
+    tolerance = {ckpt.MODEL_FILE: dict(rtol=0, atol=1e-5), ckpt.EXP_AVG_FILE: dict(rtol=1e-4, atol=1e-10),
+                 ckpt.EXP_AVG_SQ_FILE: dict(rtol=1e-4, atol=1e-14)}
+    for filename, tensors in ep1.items():
+        assert set(ep2[filename]) == set(tensors)
+        for name, t in tensors.items():
+            torch.testing.assert_close(ep2[filename][name], t, **tolerance[filename],
+                                       msg=lambda m: f"{filename}: {name}: {m}")
+    # the EP=1 checkpoint loaded at EP=2 and saved again: the same bytes' worth of tensors
+    run_distributed(_ep_checkpoint_worker, 2, tiny_moe, 2, str(tmp_path / "again"), ckpt.step_dir(str(tmp_path / "ep1"), 1))
+    again = _checkpoint_tensors(str(tmp_path / "again"))
+    for filename, tensors in ep1.items():
+        for name, t in tensors.items():
+            assert torch.equal(again[filename][name], t), (filename, name)
