@@ -226,6 +226,7 @@ class TrainStep:
             return logits, functools.partial(loss_func, sl)
 
         seq_len = batch.packed.input_ids.shape[1]
+        self._scale_moe_aux_losses(rows * seq_len * comm.group_size(self.dp_group))
         with self._routes(shadow=False, targets=replay):
             get_forward_backward_func()(
                 forward_step_func=forward_step, data_iterator=iter(slices), model=self.model,
@@ -233,6 +234,20 @@ class TrainStep:
             if self.routing is not None:
                 self.train_routes = (self.routing.take(seq_len, "used"), self.routing.take(seq_len, "natural"))
         return stats, torch.cat(log_probs, dim=0)
+
+    def _scale_moe_aux_losses(self, num_routed_tokens: int) -> None:
+        """MoE aux/z losses as a mean over the step's routed tokens. Under
+        ``calculate_per_token_loss`` Megatron multiplies them by each micro-batch's token count
+        and leaves the division by the global count to ``finalize_model_grads``; our losses are
+        already global means, so the coefficients carry that division instead."""
+        from megatron_grpo.models import unwrap
+
+        config = unwrap(self.model).config
+        if not getattr(config, "num_moe_experts", None):
+            return
+        m = self.cfg.policy.megatron_cfg
+        config.moe_aux_loss_coeff = m.moe_aux_loss_coeff / num_routed_tokens
+        config.moe_z_loss_coeff = m.moe_z_loss_coeff / num_routed_tokens if m.moe_z_loss_coeff else None
 
     def _sanitize(self, lp: torch.Tensor, fallback: torch.Tensor, mask: torch.Tensor, microbatch: int) -> torch.Tensor:
         """Records non-finite log-probs at valid tokens and replaces them (the step will be skipped),

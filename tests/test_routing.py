@@ -32,7 +32,7 @@ def near_tie_moe(tmp_path_factory):
     return path
 
 
-def _stepper(model_dir, *overrides, with_ref=False):
+def _stepper(model_dir, *overrides, with_ref=False, **build):
     from megatron_grpo.models import build_from_hf
     from megatron_grpo.optim import Optimizer
     from megatron_grpo.recipe import load_recipe
@@ -40,7 +40,7 @@ def _stepper(model_dir, *overrides, with_ref=False):
 
     cfg = load_recipe(RECIPE, [f"policy.model_name={model_dir}", "grpo.deployed_improvement=false",
                                "policy.train_micro_batch_size=4", *overrides])
-    model, _ = build_from_hf(model_dir)
+    model, _ = build_from_hf(model_dir, **build)
     ref = build_from_hf(model_dir)[0].requires_grad_(False) if with_ref else None
     return TrainStep(model, Optimizer(model, cfg.policy.optimizer, cfg.policy.precision), cfg, None, None, ref)
 
@@ -212,3 +212,29 @@ def test_ep2_routing_metrics_match_single_process(near_tie_moe, megatron_single)
         for name in ("moe/route_mismatch_fraction", "moe/tokens_any_mismatch", "precision/beta_abs_mean",
                      "precision/beta_abs_mean_route_mismatch", "loss/policy", "clip/region_fraction"):
             assert metrics[name] == pytest.approx(single[name], abs=1e-6, rel=1e-4), name
+
+
+def _router_grad(model_dir, rows, coeffs):
+    """Router gradient of one forward-backward over ``_sequences()`` repeated ``rows // ROWS`` times."""
+    from megatron_grpo.forward import pack
+    from megatron_grpo.step import StepBatch
+
+    st = _stepper(model_dir, *[f"policy.megatron_cfg.{k}={v}" for k, v in coeffs.items()], **coeffs)
+    st.current_step, st.nonfinite = 0, []
+    packed = pack(_sequences() * (rows // ROWS), [PROMPT] * rows, 0)
+    old, adv = torch.full(packed.labels.shape, -7.0), torch.linspace(-1.0, 1.0, ROWS).repeat(rows // ROWS)
+    batch = StepBatch(packed, old, adv, packed.mask.sum().double(), packed.mask.any(-1).sum().double())
+    st.optimizer.zero_grad()
+    st.forward_backward(batch, None, None)
+    return [p.grad.clone() for n, p in st.model.named_parameters() if "router" in n]
+
+
+@pytest.mark.parametrize("coeffs", [dict(moe_z_loss_coeff=0.5), dict(moe_aux_loss_coeff=0.5)], ids=["z", "aux"])
+def test_moe_aux_losses_are_means_over_the_steps_tokens(coeffs, tiny_moe, megatron_single):
+    # the policy loss is a token mean, so repeating the batch leaves every gradient unchanged;
+    # the aux/z losses must be means as well (Megatron's per-token scaling would double them)
+    once, twice = _router_grad(tiny_moe, ROWS, coeffs), _router_grad(tiny_moe, 2 * ROWS, coeffs)
+    without = _router_grad(tiny_moe, ROWS, {})
+    for a, b, c in zip(once, twice, without):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-7)
+        assert (a - c).norm() > 0.1 * c.norm()  # the aux loss does act
