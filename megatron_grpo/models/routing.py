@@ -24,8 +24,6 @@ from typing import List, Optional
 import torch
 
 ROUTE_DTYPE = torch.int16
-REPLAY_MODES = ("none", "R2", "R3")
-"""none; R2 = replay the shadow forward's routing; R3 = replay the routing vLLM returned."""
 
 
 class RouteTap:

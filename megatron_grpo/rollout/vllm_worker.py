@@ -68,7 +68,7 @@ def serve(options: dict, requests, responses) -> None:
 def _build(options: dict):
     from vllm import LLM
 
-    extra = {}
+    extra = {"enable_prefix_caching": True}
     if options.get("return_routed_experts"):
         # vLLM returns routed experts through its AuxOutput connector, which needs Model Runner V2
         os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "1")
@@ -78,7 +78,7 @@ def _build(options: dict):
         model=options["model"], dtype=options["dtype"], enforce_eager=True, distributed_executor_backend="uni",
         skip_tokenizer_init=True, logprobs_mode="processed_logprobs", seed=options.get("seed", 0),
         max_model_len=options["max_model_len"], gpu_memory_utilization=options.get("gpu_memory_utilization", 0.5),
-        **{"enable_prefix_caching": True, **extra},
+        **extra,
     )
 
 
