@@ -197,15 +197,24 @@ class GenerationConfig:
     parity_probe_every: int = 1
     """Run the parity probe every N pushes (0 = off)."""
     parity_tolerance: Optional[float] = None
-    """Mean |log-prob diff| allowed by the probe; null = per-dtype default."""
+    """Floor of the mean |log-prob diff| the probe allows; null = per-dtype default. The first
+    probe (at start) must stay below it; later ones below max(this, parity_growth x the first's)."""
+    parity_max_tolerance: Optional[float] = None
+    """Floor of the max |log-prob diff| the probe allows; null = per-dtype default."""
+    parity_growth: float = 4.0
+    """A probe fails when its mean or max |diff| grows past this many times the first probe's."""
     max_staleness: int = 0
-    """Async: rollouts from weights at most this many versions old are used (0 = synchronous)."""
+    """Async: generation runs this many steps ahead of training, so step k trains on rollouts of
+    weights version k - max_staleness (a pipeline this many steps deep); older rollouts are
+    dropped and regenerated (0 = synchronous)."""
 
     def __post_init__(self):
         if self.temperature <= 0:
             raise ValueError(f"generation.temperature must be > 0, got {self.temperature}")
         if self.max_staleness < 0 or self.parity_probe_every < 0:
             raise ValueError("generation.max_staleness and generation.parity_probe_every must be >= 0")
+        if self.parity_growth < 1:
+            raise ValueError(f"generation.parity_growth must be >= 1, got {self.parity_growth}")
         if self.top_p < 1.0 or self.top_k > 0:
             logger.warning("generation.top_p/top_k truncate the sampling distribution; the trainer's log-probs do "
                            "not, so the importance ratio carries that difference")

@@ -63,10 +63,9 @@ def precision_context(compute_dtype: torch.dtype, params_dtype: torch.dtype):
 
 def log_probs_from_logits(logits: torch.Tensor, labels: torch.Tensor, temperature: float, tp_group=None,
                           chunk_size=None) -> torch.Tensor:
-    """fp32 log-probs of ``labels`` under ``softmax(logits / temperature)``; ``logits`` [B, S, V/tp]."""
-    if temperature != 1.0:
-        logits = logits / temperature
-    return token_log_probs(logits, labels, tp_group=tp_group, chunk_size=chunk_size)
+    """fp32 log-probs of ``labels`` under ``softmax(logits / temperature)``; ``logits`` [B, S, V/tp]
+    in any dtype (the temperature is applied after the cast to fp32, inside ``token_log_probs``)."""
+    return token_log_probs(logits, labels, tp_group=tp_group, chunk_size=chunk_size, temperature=temperature)
 
 
 def forward_log_probs(model, batch: PackedBatch, *, compute_dtype: torch.dtype, params_dtype: torch.dtype,

@@ -26,13 +26,24 @@ def _shard_range(vocab_local: int, tp_group) -> Tuple[int, int]:
     return start, start + vocab_local
 
 
-def _chunk_stats(logits_chunk: torch.Tensor, labels_chunk: torch.Tensor, start: int, tp_group, want_entropy: bool):
-    """Forward of one chunk: returns (target_logit - lse, lse, entropy or None), all fp32 ``[c]``.
+def _scaled_fp32(logits_chunk: torch.Tensor, temperature: float) -> torch.Tensor:
+    """A fresh fp32 copy of the chunk divided by the temperature *after* the cast (vLLM does the
+    same): dividing bf16 logits first rounds them again (T = 0.7: mean |d logp| 0.045)."""
+    x = logits_chunk.to(torch.float32, copy=True)  # a copy even for fp32 input: modified in place later
+    if temperature != 1.0:
+        x.div_(temperature)
+    return x
+
+
+def _chunk_stats(logits_chunk: torch.Tensor, labels_chunk: torch.Tensor, start: int, tp_group, want_entropy: bool,
+                 temperature: float = 1.0):
+    """Forward of one chunk: returns (target_logit - lse, lse, entropy or None), all fp32 ``[c]``,
+    of ``softmax(logits / temperature)``.
 
     Holds one fp32 copy of the chunk (two with ``want_entropy``): shifted logits are
     exponentiated in place after the target logit has been read.
     """
-    x = logits_chunk.to(torch.float32, copy=True)  # a copy even for fp32 input: modified in place below
+    x = _scaled_fp32(logits_chunk, temperature)
     global_max = comm.all_reduce_max(x.max(dim=-1).values, tp_group)
     x.sub_(global_max.unsqueeze(-1))
     local_ids = labels_chunk - start
@@ -49,9 +60,10 @@ def _chunk_stats(logits_chunk: torch.Tensor, labels_chunk: torch.Tensor, start: 
     return target - log_z, log_z + global_max, entropy
 
 
-def _chunk_grad(logits_chunk, labels_chunk, lse_chunk, grad_chunk, start: int) -> torch.Tensor:
-    """Backward of one chunk: d logp / d logits = onehot(label) - softmax, times the incoming grad."""
-    probs = (logits_chunk.float() - lse_chunk.unsqueeze(-1)).exp()
+def _chunk_grad(logits_chunk, labels_chunk, lse_chunk, grad_chunk, start: int, temperature: float = 1.0) -> torch.Tensor:
+    """Backward of one chunk: d logp / d logits = (onehot(label) - softmax) / T, times the incoming grad."""
+    probs = _scaled_fp32(logits_chunk, temperature).sub_(lse_chunk.unsqueeze(-1)).exp_()
+    grad_chunk = grad_chunk / temperature
     grad = probs.mul_(-grad_chunk.unsqueeze(-1))
     local_ids = labels_chunk - start
     in_shard = (local_ids >= 0) & (local_ids < grad.shape[-1])
@@ -62,7 +74,7 @@ def _chunk_grad(logits_chunk, labels_chunk, lse_chunk, grad_chunk, start: int) -
 
 class _VocabParallelLogProbs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, labels, tp_group, chunk_size, want_entropy):
+    def forward(ctx, logits, labels, tp_group, chunk_size, want_entropy, temperature):
         flat_logits = logits.reshape(-1, logits.shape[-1])
         flat_labels = labels.reshape(-1)
         start, _ = _shard_range(flat_logits.shape[-1], tp_group)
@@ -72,12 +84,12 @@ class _VocabParallelLogProbs(torch.autograd.Function):
         entropy = torch.empty_like(logp) if want_entropy else None
         for i in range(0, n, chunk_size):
             sl = slice(i, min(i + chunk_size, n))
-            lp, ls, ent = _chunk_stats(flat_logits[sl], flat_labels[sl], start, tp_group, want_entropy)
+            lp, ls, ent = _chunk_stats(flat_logits[sl], flat_labels[sl], start, tp_group, want_entropy, temperature)
             logp[sl], lse[sl] = lp, ls
             if want_entropy:
                 entropy[sl] = ent
         ctx.save_for_backward(logits, labels, lse)
-        ctx.tp_group, ctx.chunk_size, ctx.start = tp_group, chunk_size, start
+        ctx.tp_group, ctx.chunk_size, ctx.start, ctx.temperature = tp_group, chunk_size, start, temperature
         out_shape = labels.shape
         if want_entropy:
             ctx.mark_non_differentiable(entropy)
@@ -94,8 +106,9 @@ class _VocabParallelLogProbs(torch.autograd.Function):
         n = flat_logits.shape[0]
         for i in range(0, n, ctx.chunk_size):
             sl = slice(i, min(i + ctx.chunk_size, n))
-            grad_logits[sl] = _chunk_grad(flat_logits[sl], flat_labels[sl], lse[sl], flat_grad[sl], ctx.start)
-        return grad_logits.view_as(logits), None, None, None, None
+            grad_logits[sl] = _chunk_grad(flat_logits[sl], flat_labels[sl], lse[sl], flat_grad[sl], ctx.start,
+                                          ctx.temperature)
+        return grad_logits.view_as(logits), None, None, None, None, None
 
 
 def token_log_probs(
@@ -105,8 +118,10 @@ def token_log_probs(
     tp_group=None,
     chunk_size: Optional[int] = None,
     return_entropy: bool = False,
+    temperature: float = 1.0,
 ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
-    """fp32 log-probabilities of ``labels`` under ``logits``, vocab-parallel and chunked.
+    """fp32 log-probabilities of ``labels`` under ``softmax(logits / temperature)``, vocab-parallel
+    and chunked; the temperature divides the fp32 copy of each chunk, never the input logits.
 
     Args:
         logits: ``[..., V/tp]``, this rank's contiguous vocabulary shard (rank r holds ids
@@ -115,6 +130,7 @@ def token_log_probs(
         tp_group: tensor-parallel process group; None = single-process computation.
         chunk_size: tokens per fp32 chunk (default ``DEFAULT_CHUNK_SIZE``).
         return_entropy: also return the per-token entropy ``[...]`` (fp32, no gradient).
+        temperature: sampling temperature T > 0 (the generator's).
 
     Returns:
         ``[...]`` fp32 log-probs, differentiable w.r.t. ``logits`` (and the entropy).
@@ -128,4 +144,6 @@ def token_log_probs(
     chunk = DEFAULT_CHUNK_SIZE if chunk_size is None else int(chunk_size)
     if chunk <= 0:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
-    return _VocabParallelLogProbs.apply(logits, labels.long(), tp_group, chunk, return_entropy)
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    return _VocabParallelLogProbs.apply(logits, labels.long(), tp_group, chunk, return_entropy, float(temperature))

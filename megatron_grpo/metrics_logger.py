@@ -11,10 +11,26 @@ from typing import Dict, Optional
 import torch
 
 
+def stack_metrics(metrics: Dict[str, object]):
+    """``(names, values [n] float64)``: the tensor metrics stacked where they live. Every one must
+    be on the same device (the model's): a stray CPU tensor among CUDA ones is named here,
+    instead of costing a host sync of its own or failing inside ``torch.stack``."""
+    names = [k for k, v in metrics.items() if isinstance(v, torch.Tensor)]
+    if not names:
+        return names, None
+    devices = {metrics[k].device for k in names}
+    if len(devices) > 1:
+        first = metrics[names[0]].device
+        others = [k for k in names if metrics[k].device != first]
+        raise AssertionError(f"step metrics live on several devices ({', '.join(map(str, devices))}): "
+                             f"{', '.join(others[:8])} not on {first}")
+    return names, torch.stack([metrics[k].detach().double().reshape(()) for k in names])
+
+
 def to_host(metrics: Dict[str, object]) -> Dict[str, float]:
     """Converts a dict of 0-dim tensors / numbers to floats with a single device->host copy."""
-    names = [k for k, v in metrics.items() if isinstance(v, torch.Tensor)]
-    values = torch.stack([metrics[k].detach().double().reshape(()) for k in names]).tolist() if names else []
+    names, stacked = stack_metrics(metrics)
+    values = stacked.tolist() if names else []
     out = {k: float(v) for k, v in metrics.items() if not isinstance(v, torch.Tensor)}
     out.update(zip(names, values))
     return dict(sorted(out.items()))

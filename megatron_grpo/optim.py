@@ -94,7 +94,12 @@ class Optimizer:
         grad_utils.all_reduce_gradients(self.named)
 
     def step(self, reduced: bool = False) -> Dict[str, torch.Tensor]:
-        """Reduces grads over DP, unscales, clips, steps (unless non-finite). Returns grad-norm metrics."""
+        """Reduces grads over DP, unscales, clips, steps (unless non-finite). Returns grad-norm metrics.
+
+        A non-finite gradient skips the step. With fp16 loss scaling that is the scaler's normal
+        back-off (``train/skipped_overflow``) while the scale is above its minimum; only at the
+        minimum scale does it count as a non-finite skip (``train/skipped_nonfinite``), which
+        ``grpo.max_consecutive_skips`` limits."""
         if not reduced:
             self.reduce_gradients()
         scale = self.loss_scale()
@@ -104,11 +109,14 @@ class Optimizer:
                     p.grad.div_(scale)
         norm = grad_utils.global_grad_norm(self.params)
         finite = bool(torch.isfinite(norm))  # one host sync per step: decides whether to step
+        overflow = not finite and self.scaler is not None and self.scaler.scale > self.scaler.minimum
         if self.scaler is not None:
             self.scaler.update(not finite)
+        flags = {"train/skipped_nonfinite": torch.tensor(float(not finite and not overflow), device=norm.device),
+                 "train/skipped_overflow": torch.tensor(float(overflow), device=norm.device)}
         if not finite:
             self.zero_grad()
-            return {"train/grad_norm": norm.float(), "train/skipped_nonfinite": torch.ones(())}
+            return {"train/grad_norm": norm.float(), **flags}
         grad_utils.clip_gradients(self.params, self.cfg.clip_grad, norm)
         if self.half:
             for p, m in zip(self.params, self.master):
@@ -118,7 +126,7 @@ class Optimizer:
             with torch.no_grad():
                 for p, m in zip(self.params, self.master):
                     p.copy_(m.to(p.dtype))
-        return {"train/grad_norm": norm.float(), "train/skipped_nonfinite": torch.zeros(())}
+        return {"train/grad_norm": norm.float(), **flags}
 
     def state_dict(self) -> Dict:
         return {"adam": self.adam.state_dict(), "master": [m.detach().clone() for m in self.master] if self.half else None,

@@ -50,4 +50,4 @@ def compute_rewards(fn: Callable, name: str, step: int, completion_ids, texts: O
     if bad:
         raise ValueError(f"reward function {name!r} returned non-finite rewards at step {step} "
                          f"(completions {bad[:5]}{'...' if len(bad) > 5 else ''})")
-    return torch.tensor(values, dtype=torch.float32)
+    return torch.tensor(values, dtype=torch.float64)  # advantages are computed in float64

@@ -44,13 +44,21 @@ class TrainContext:
             return [None] * len(ids)
         return self.tokenizer.batch_decode(ids, skip_special_tokens=False)
 
+    @property
+    def device(self) -> torch.device:
+        """Where the model lives; every step tensor (metrics included) is made there."""
+        from megatron_grpo.forward import model_device
+
+        return model_device(self.model)
+
     def trainer_scores(self, dtype: torch.dtype):
-        """A function scoring a ``ProbeBatch`` with the trainer's no-grad forward in ``dtype``."""
+        """A function scoring a ``ProbeBatch`` with the trainer's no-grad forward in ``dtype`` at
+        temperature 1, as the generator scores prompts (``RolloutEngine.score``)."""
         from megatron_grpo.forward import completion_scores, pack
 
         def score(probe):
             packed = pack(probe.sequences, probe.prompt_lens, self.pad_id)
-            return completion_scores(self.stepper.lowp_log_probs(packed, dtype), packed)
+            return completion_scores(self.stepper.lowp_log_probs(packed, dtype, temperature=1.0), packed)
 
         return score
 
@@ -61,6 +69,7 @@ def build_context(cfg: Config) -> TrainContext:
 
     from megatron_grpo.data import PromptSampler, load_prompts, load_tokenizer
     from megatron_grpo.models import build_from_hf, load_hf_config, shape_from_hf
+    from megatron_grpo.models.spec import configure_fp32_matmul, resolve_backend
     from megatron_grpo.optim import Optimizer
     from megatron_grpo.parallel import state
     from megatron_grpo.parallel.state import validate_layout
@@ -69,6 +78,7 @@ def build_context(cfg: Config) -> TrainContext:
     from megatron_grpo.step import TrainStep
     from megatron_grpo.train import layout_of, resolve_model_dir
 
+    configure_fp32_matmul(to_dtype(cfg.policy.precision.compute_dtype))  # before CUDA/cuBLAS initialise
     state.init_distributed()
     import torch.distributed as dist
 
@@ -85,12 +95,13 @@ def build_context(cfg: Config) -> TrainContext:
     state.initialize_model_parallel(layout, seed=cfg.grpo.seed)
     reward_fn = get_reward_fn(cfg.reward.name)
     p, m = cfg.policy.precision, cfg.policy.megatron_cfg
+    backend = resolve_backend(m.transformer_impl, to_dtype(p.compute_dtype))
     model, shape = build_from_hf(model_dir, params_dtype=to_dtype(p.params_dtype), router_dtype=m.moe_router_dtype,
-                                 backend=m.transformer_impl, moe_aux_loss_coeff=m.moe_aux_loss_coeff,
+                                 backend=backend, moe_aux_loss_coeff=m.moe_aux_loss_coeff,
                                  moe_z_loss_coeff=m.moe_z_loss_coeff)
     ref_model = None
     if cfg.loss_fn.reference_policy_kl_penalty > 0:
-        ref_model, _ = build_from_hf(model_dir, params_dtype=to_dtype(p.params_dtype), backend=m.transformer_impl)
+        ref_model, _ = build_from_hf(model_dir, params_dtype=to_dtype(p.params_dtype), backend=backend)
         ref_model.requires_grad_(False)
     optimizer = Optimizer(model, cfg.policy.optimizer, p)
     tp_group, dp_group = ps.get_tensor_model_parallel_group(), ps.get_data_parallel_group()

@@ -9,6 +9,7 @@ micro-batches and data-parallel ranks gives the exact global token mean.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
@@ -45,8 +46,13 @@ class StepBatch:
 
 
 def build_step_batch(rollouts: Rollouts, advantages: torch.Tensor, dp_rank: int, dp_size: int,
-                     pad_id: int) -> StepBatch:
-    """Packs all rollouts (identically on every rank) and keeps this DP rank's contiguous rows."""
+                     pad_id: int, step: int = 0) -> StepBatch:
+    """Packs all rollouts (identically on every rank) and keeps this DP rank's contiguous rows.
+
+    Checks that need every rank to agree run here, on the whole batch that every rank holds, so
+    that all ranks raise together (never one rank inside the schedule's collectives): a batch
+    without any valid completion token, or non-finite generator log-probs / advantages.
+    Advantages stay float64 (the loss casts them)."""
     from megatron_grpo.models.routing import generator_routes
 
     seqs = [r.prompt_ids + r.completion_ids for r in rollouts]
@@ -56,11 +62,22 @@ def build_step_batch(rollouts: Rollouts, advantages: torch.Tensor, dp_rank: int,
     for i, r in enumerate(rollouts):
         start = prompt_lens[i] - 1
         old[i, start : start + len(r.logprobs)] = torch.tensor(r.logprobs, dtype=torch.float32)
+    _check_whole_batch(packed, old, advantages, step)
     rows = packed.input_ids.shape[0] // dp_size
     sl = slice(dp_rank * rows, (dp_rank + 1) * rows)
     routes = generator_routes(rollouts, packed.input_ids.shape[1])
-    return StepBatch(packed.rows(sl), old[sl], advantages[sl].float(), packed.mask.sum().double(),
+    return StepBatch(packed.rows(sl), old[sl], advantages[sl].double(), packed.mask.sum().double(),
                      packed.mask.any(-1).sum().double(), None if routes is None else routes[sl])
+
+
+def _check_whole_batch(packed: PackedBatch, old: torch.Tensor, advantages: torch.Tensor, step: int) -> None:
+    if not bool(packed.mask.any()):
+        raise ValueError(f"step {step}: the batch has no valid completion token (every completion is empty)")
+    bad = int((~torch.isfinite(old) & packed.mask).sum())
+    if bad:
+        raise ValueError(f"step {step}: the generator returned {bad} non-finite log-probs for sampled tokens")
+    if not bool(torch.isfinite(advantages).all()):
+        raise ValueError(f"step {step}: non-finite advantages (check the reward function's values)")
 
 
 class TrainStep:
@@ -71,6 +88,8 @@ class TrainStep:
         self.tp_group, self.dp_group, self.ref_model = tp_group, dp_group, ref_model
         p = cfg.policy.precision
         self.params_dtype, self.compute_dtype = to_dtype(p.params_dtype), to_dtype(p.compute_dtype)
+        self.loss_cfg = dataclasses.replace(cfg.loss_fn, check_finite=False)
+        """The step checks finiteness itself, agreed across ranks (``_sanitize``, ``build_step_batch``)."""
         self.shadow_dtype = to_dtype(p.shadow_dtype)
         self.routing = make_routing(model, cfg)
         if ref_model is not None:
@@ -81,12 +100,14 @@ class TrainStep:
         """The shadow forward runs when its precision (or, MoE, its router precision) differs."""
 
     def lowp_log_probs(self, packed: PackedBatch, dtype: Optional[torch.dtype] = None,
-                       routes: Optional[torch.Tensor] = None) -> torch.Tensor:
+                       routes: Optional[torch.Tensor] = None, temperature: Optional[float] = None) -> torch.Tensor:
         """No-grad log-probs at the current weights in the shadow (or given) dtype and, MoE, with
-        the generator's router precision (replaying ``routes`` when given)."""
+        the generator's router precision (replaying ``routes`` when given); at the generation
+        temperature unless ``temperature`` is given."""
+        temperature = self.cfg.generation.temperature if temperature is None else temperature
         with self._routes(shadow=True, targets=routes):
             return forward_log_probs(self.model, packed, compute_dtype=dtype or self.shadow_dtype,
-                                     params_dtype=self.params_dtype, temperature=self.cfg.generation.temperature,
+                                     params_dtype=self.params_dtype, temperature=temperature,
                                      tp_group=self.tp_group, micro_batch_size=self.cfg.policy.train_micro_batch_size)
 
     def _routes(self, shadow: bool, targets: Optional[torch.Tensor] = None):
@@ -102,24 +123,31 @@ class TrainStep:
         from megatron_grpo.forward import model_device
 
         self.current_step, self.nonfinite = step, []
-        batch = batch.to(model_device(self.model))
+        device = model_device(self.model)
+        batch = batch.to(device)
         shadow, shadow_routes, self.replay_routes = self._shadow_forward(batch)
         ref = self._ref_log_probs(batch.packed)
+        shadow = None if shadow is None else self._sanitize(shadow, batch.old_log_probs, batch.packed.mask, "shadow")
+        ref = None if ref is None else self._sanitize(ref, batch.old_log_probs, batch.packed.mask, "reference")
+        center = self.weight_center(batch, shadow)
         self.optimizer.zero_grad()
-        stats, train_lp = self.forward_backward(batch, shadow, ref, self.replay_routes)
+        stats, train_lp = self.forward_backward(batch, shadow, ref, self.replay_routes, center)
         if self.routing is not None:
             self._routing_stats(stats, batch, train_lp, shadow, shadow_routes)
         self.last_log_probs = (train_lp, shadow if shadow is not None else train_lp)
-        if comm.all_reduce_max(torch.tensor(float(bool(self.nonfinite))), comm.world_group()).item():
+        flag = torch.tensor(float(bool(self.nonfinite)), device=comm.collective_device(device))
+        if comm.all_reduce_max(flag, comm.world_group()).item():
             self.optimizer.zero_grad()
-            extra = {"train/grad_norm": torch.tensor(float("nan")), "train/skipped_nonfinite": torch.ones(())}
+            extra = {"train/grad_norm": torch.full((), float("nan"), device=device),
+                     "train/skipped_nonfinite": torch.ones((), device=device),
+                     "train/skipped_overflow": torch.zeros((), device=device)}
         else:
             every = self.cfg.grpo.grad_cos_clean_every
             cos = self.cos_clean(batch) if every and step % every == 0 else None
             extra = self.optimizer.step(reduced=cos is not None)
             if cos is not None:
                 extra["grad/cos_clean"] = cos
-        extra["train/loss_scale"] = torch.tensor(self.optimizer.loss_scale())
+        extra["train/loss_scale"] = torch.tensor(self.optimizer.loss_scale(), device=device)
         if self.cfg.grpo.deployed_improvement:
             before = shadow if shadow is not None else train_lp
             after = self.lowp_log_probs(batch.packed)
@@ -153,6 +181,26 @@ class TrainStep:
         for p, g in zip(params, actual):
             p.grad = g
         return cos
+
+    def weight_center(self, batch: StepBatch, shadow) -> Optional[torch.Tensor]:
+        """``detach_center``'s mu_W over the whole global batch, from a no-grad pre-pass of the
+        training forward (same precision, same routing replay), before the schedule; None for
+        the other variants. The ratio's value only needs the trainer's log-probs with
+        ``ratio=train``; the other sources get it from the shadow / the generator."""
+        from megatron_grpo.loss import clips
+        from megatron_grpo.loss.policy import weight_center
+
+        if not getattr(clips.get_clip_variant(self.cfg.loss_fn.clip), "needs_center", False):
+            return None
+        if self.cfg.loss_fn.ratio == "train":
+            with self._routes(shadow=False, targets=self.replay_routes):
+                lp = forward_log_probs(self.model, batch.packed, compute_dtype=self.compute_dtype,
+                                       params_dtype=self.params_dtype, temperature=self.cfg.generation.temperature,
+                                       tp_group=self.tp_group, micro_batch_size=self.cfg.policy.train_micro_batch_size)
+        else:
+            lp = shadow if shadow is not None else batch.old_log_probs
+        return weight_center(lp, batch.old_log_probs, batch.advantages, batch.packed.mask, self.loss_cfg,
+                             shadow_log_probs=shadow if shadow is not None else lp, dp_group=self.dp_group)
 
     def _ref_log_probs(self, packed: PackedBatch) -> Optional[torch.Tensor]:
         if self.ref_model is None:
@@ -191,7 +239,7 @@ class TrainStep:
         beta = train_lp - shadow if shadow is not None else torch.zeros_like(train_lp)
         routing_stats(stats, used, natural, reference, beta, batch.packed.mask)
 
-    def forward_backward(self, batch: StepBatch, shadow, ref, replay=None) -> Tuple[StatSet, torch.Tensor]:
+    def forward_backward(self, batch: StepBatch, shadow, ref, replay=None, center=None) -> Tuple[StatSet, torch.Tensor]:
         """Megatron's schedule over micro-batches (MoE: replaying ``replay`` routing when given);
         returns merged stats and the trainer's log-probs."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -207,12 +255,12 @@ class TrainStep:
                                        self.tp_group, self.cfg.policy.logprob_chunk_size)
             mask = batch.packed.mask[sl]
             lp = faults.maybe_nan(self.current_step, sl.start // mbs, lp, mask)
-            lp = self._sanitize(lp, batch.old_log_probs[sl], mask, sl.start // mbs)
+            lp = self._sanitize(lp, batch.old_log_probs[sl], mask, f"micro-batch {sl.start // mbs}")
             loss, s = policy_loss_stats(
-                lp, batch.old_log_probs[sl], batch.advantages[sl], mask, self.cfg.loss_fn,
+                lp, batch.old_log_probs[sl], batch.advantages[sl], mask, self.loss_cfg,
                 shadow_log_probs=shadow[sl] if shadow is not None else lp.detach(),
                 ref_log_probs=ref[sl] if ref is not None else None, num_global_tokens=batch.num_global_tokens,
-                num_global_seqs=batch.num_global_seqs, dp_group=self.dp_group)
+                num_global_seqs=batch.num_global_seqs, weight_center=center, dp_group=self.dp_group)
             stats.merge(s)
             log_probs.append(lp.detach())
             return loss, mask.sum(), {}
@@ -249,14 +297,14 @@ class TrainStep:
         config.moe_aux_loss_coeff = m.moe_aux_loss_coeff / num_routed_tokens
         config.moe_z_loss_coeff = m.moe_z_loss_coeff / num_routed_tokens if m.moe_z_loss_coeff else None
 
-    def _sanitize(self, lp: torch.Tensor, fallback: torch.Tensor, mask: torch.Tensor, microbatch: int) -> torch.Tensor:
-        """Records non-finite log-probs at valid tokens and replaces them (the step will be skipped),
-        so that every rank still runs the same collectives."""
+    def _sanitize(self, lp: torch.Tensor, fallback: torch.Tensor, mask: torch.Tensor, what: str) -> torch.Tensor:
+        """Records non-finite log-probs at valid tokens and replaces them (the step will be skipped,
+        agreed across ranks), so that every rank still runs the same collectives."""
         finite = torch.isfinite(lp)
         bad = int((~finite & mask).sum())  # one host sync per micro-batch
         if not bad:
             return lp
-        self.nonfinite.append(f"log_probs of micro-batch {microbatch}: {bad} non-finite values at valid tokens")
+        self.nonfinite.append(f"log_probs of {what}: {bad} non-finite values at valid tokens")
         return torch.where(finite, lp, fallback)
 
     def _set_grad_scale(self) -> None:
@@ -284,9 +332,10 @@ def make_routing(model, cfg: Config):
     return Routing(model, train_dtype, to_dtype(p.shadow_router_dtype))
 
 
-def rollout_metrics(rollouts: Rollouts, rewards: torch.Tensor) -> Dict[str, torch.Tensor]:
-    """Reward and length metrics (identical on every rank: rollouts are broadcast)."""
-    lengths = torch.tensor([len(r.completion_ids) for r in rollouts], dtype=torch.float32)
+def rollout_metrics(rollouts: Rollouts, rewards: torch.Tensor, device=None) -> Dict[str, torch.Tensor]:
+    """Reward and length metrics (identical on every rank: rollouts are broadcast), on ``device``."""
+    lengths = torch.tensor([len(r.completion_ids) for r in rollouts], dtype=torch.float32, device=device)
+    rewards = rewards.to(device)
+    eos = sum(r.finish_reason == "stop" for r in rollouts) / len(rollouts)
     return {"reward/mean": rewards.mean(), "reward/std": rewards.std(unbiased=False),
-            "completion/length_mean": lengths.mean(),
-            "completion/eos_fraction": torch.tensor(sum(r.finish_reason == "stop" for r in rollouts) / len(rollouts))}
+            "completion/length_mean": lengths.mean(), "completion/eos_fraction": torch.tensor(eos, device=device)}

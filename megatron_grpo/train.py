@@ -7,6 +7,7 @@ deployed-improvement probe -> weight push + parity probe -> metrics.
 
 from __future__ import annotations
 
+import collections
 import json
 import logging
 import os
@@ -49,7 +50,10 @@ class GRPOTrainer:
         self.ctx = setup.build_context(cfg)
         self.step, self.version, self.consecutive_skips = 0, 0, 0
         self.gate = StalenessGate(cfg.generation.max_staleness)
-        self._pending, self._stop_requested, self._last_push_names = None, False, []
+        self._pending = collections.deque()
+        """Handles of generations submitted ahead, for steps step+1, step+2, ... (async)."""
+        self._stop_requested, self._last_push_names = False, []
+        self.probe, self.parity_baseline = None, None
         resumed = self.maybe_resume()
         self.logger = setup.build_logger(cfg, self.ctx, start_step=self.step, resumed=resumed)
 
@@ -111,7 +115,7 @@ class GRPOTrainer:
         """True on every rank when any rank got SIGTERM/SIGINT (agreed at the step boundary)."""
         from megatron_grpo.parallel import comm
 
-        flag = torch.tensor(float(self._stop_requested))
+        flag = torch.tensor(float(self._stop_requested), device=comm.collective_device(self.ctx.device))
         self._stop_requested = bool(comm.all_reduce_max(flag, comm.world_group()).item())
         return self._stop_requested
 
@@ -138,20 +142,22 @@ class GRPOTrainer:
         rewards = self.score(rollouts)
         advantages = ADVANTAGE_ESTIMATORS.get(self.cfg.grpo.advantage_estimator)(
             rewards, self.cfg.grpo.num_generations_per_prompt)
-        batch = build_step_batch(rollouts, advantages, self.ctx.dp_rank, self.ctx.dp_size, self.ctx.pad_id)
+        batch = build_step_batch(rollouts, advantages, self.ctx.dp_rank, self.ctx.dp_size, self.ctx.pad_id,
+                                 step=self.step + 1)
         stats, extra = self.ctx.stepper.run(batch, self.step + 1)
         if self.step + 1 in self.cfg.logger.token_dump_steps and self.ctx.rank == 0:
             self.dump_tokens(batch)
         self.version += 1
         sync = self.push_weights()
+        device = self.ctx.device  # every metric tensor lives there until the one host sync
         metrics = finalize(*stats.reduce(self.ctx.dp_group))
         metrics.update(extra)
-        metrics.update(rollout_metrics(rollouts, rewards))
+        metrics.update(rollout_metrics(rollouts, rewards, device))
         metrics.update(sync)
-        metrics["rollout/dropped_stale"] = torch.tensor(float(self.gate.dropped))
-        metrics["rollout/policy_version_lag"] = torch.tensor(float(self.version - 1 - rollouts.items[0].policy_version))
-        metrics["time/generate_s"] = torch.tensor(t_gen)
-        metrics["time/step_s"] = torch.tensor(time.perf_counter() - started)
+        host = {"rollout/dropped_stale": float(self.gate.dropped), "time/generate_s": t_gen,
+                "rollout/policy_version_lag": float(self.version - 1 - rollouts.items[0].policy_version),
+                "time/step_s": time.perf_counter() - started}
+        metrics.update({k: torch.tensor(v, device=device) for k, v in host.items()})
         return to_host(metrics)
 
     def dump_tokens(self, batch) -> None:
@@ -172,8 +178,9 @@ class GRPOTrainer:
     def next_rollouts(self):
         """Rollouts for this step from the generator (rank 0), broadcast to every rank.
 
-        With ``generation.max_staleness >= 1`` the next step's generation is started
-        before this step trains (weights one version older); rollouts older than
+        With ``generation.max_staleness = k >= 1`` the generations of the next k steps are
+        submitted before this step trains, so step s trains on rollouts of weights version
+        s - k (the generator works through them while the trainer trains); rollouts older than
         ``max_staleness`` versions are dropped, counted and regenerated.
         """
         from megatron_grpo.parallel import comm
@@ -185,8 +192,7 @@ class GRPOTrainer:
             if self.ctx.engine is not None:
                 try:
                     result = ("ok", self._collect_fresh())
-                    if self.cfg.generation.max_staleness > 0 and self.step + 1 < self.cfg.grpo.max_num_steps:
-                        self._pending = self._submit(self.step + 1)
+                    self._submit_ahead()
                 except GeneratorError as exc:
                     result = ("failed", str(exc))
             status, value = comm.broadcast_object(result, src=0)
@@ -201,7 +207,7 @@ class GRPOTrainer:
         """Rebuilds the engine on rank 0 and re-pushes the current weights (collective)."""
         from megatron_grpo.setup import _build_engine
 
-        self._pending = None
+        self._pending.clear()
         if self.ctx.engine is not None:
             try:
                 self.ctx.engine.close()
@@ -215,10 +221,19 @@ class GRPOTrainer:
 
         faults.maybe_kill_generator(self.step + 1, self.ctx.engine)
         while True:
-            handle, self._pending = (self._pending or self._submit(self.step)), None
+            handle = self._pending.popleft() if self._pending else self._submit(self.step)
             rollouts = self.ctx.engine.collect(handle)
             if self.gate.accept(rollouts.items[0].policy_version, self.version, len(rollouts)):
                 return rollouts
+
+    def _submit_ahead(self) -> None:
+        """Keeps ``max_staleness`` generations in flight, for steps step+1 ... step+k."""
+        depth = self.cfg.generation.max_staleness
+        while len(self._pending) < depth:
+            step = self.step + 1 + len(self._pending)
+            if step >= self.cfg.grpo.max_num_steps:
+                return
+            self._pending.append(self._submit(step))
 
     def _submit(self, step: int):
         from megatron_grpo.rollout import Sampling
@@ -247,33 +262,56 @@ class GRPOTrainer:
                               dtype=to_dtype(self.cfg.policy.precision.generation_dtype),
                               bucket_mb=self.cfg.generation.weight_push_bucket_mb)
         self._last_push_names = report.names
-        out = {"sync/push_s": torch.tensor(report.seconds)}
+        out = {"sync/push_s": torch.tensor(report.seconds, device=self.ctx.device)}
         if probe:
             out.update(self.check_parity())
         return out
 
     def check_parity(self, force: bool = False) -> Dict[str, torch.Tensor]:
+        """Parity probe (generator vs trainer log-probs on the fixed probe set, temperature 1); the
+        first one records the baseline the later ones are compared with."""
         from megatron_grpo.parallel import comm
-        from megatron_grpo.rollout.parity import DEFAULT_TOLERANCE, ParityError, check_parity
+        from megatron_grpo.rollout.parity import DEFAULT_MAX_TOLERANCE, DEFAULT_TOLERANCE, ParityError, check_parity
 
-        every = self.cfg.generation.parity_probe_every
-        if every == 0 or (not force and self.version % every):
+        g = self.cfg.generation
+        if g.parity_probe_every == 0 or (not force and self.version % g.parity_probe_every):
             return {}
         gen_dtype = to_dtype(self.cfg.policy.precision.generation_dtype)
-        tol = self.cfg.generation.parity_tolerance or DEFAULT_TOLERANCE[gen_dtype]
-        scores = self.ctx.trainer_scores(gen_dtype)
+        tol = g.parity_tolerance or DEFAULT_TOLERANCE[gen_dtype]
+        max_tol = g.parity_max_tolerance or DEFAULT_MAX_TOLERANCE[gen_dtype]
+        scores, probe = self.ctx.trainer_scores(gen_dtype), self.parity_probe()
         result = None
         if self.ctx.engine is not None:
             try:
-                result = check_parity(self.ctx.engine, self.ctx.probe, scores, self._last_push_names, tol, self.version)
+                result = check_parity(self.ctx.engine, probe, scores, self._last_push_names, tol, self.version,
+                                      max_tolerance=max_tol, baseline=self.parity_baseline, growth=g.parity_growth)
             except ParityError as exc:
                 result = str(exc)
         else:
-            scores(self.ctx.probe)  # the trainer forward is collective over TP
+            scores(probe)  # the trainer forward is collective over TP
         result = comm.broadcast_object(result, src=0)
         if isinstance(result, str):
             raise ParityError(result)
-        return {k: torch.tensor(v) for k, v in result.items()}
+        if self.parity_baseline is None:
+            self.parity_baseline = dict(result)
+        return {k: torch.tensor(v, device=self.ctx.device) for k, v in result.items()}
+
+    def parity_probe(self):
+        """The probe set, sampled once from the generator at the start (realistic sequences from
+        the first prompts; temperature 1, fixed seed) and broadcast; synthetic tokens if every
+        sampled completion is empty."""
+        from megatron_grpo.parallel import comm
+        from megatron_grpo.rollout.parity import ProbeBatch
+
+        if self.probe is None:
+            probe = None
+            if self.ctx.engine is not None:
+                prompts = self.ctx.sampler.prompts[:4]
+                probe = ProbeBatch.sampled(self.ctx.engine, prompts, self.cfg.generation.max_new_tokens,
+                                           seed=self.cfg.grpo.seed + 7919, stop_token_ids=(self.ctx.eos_id,))
+                probe = probe or self.ctx.probe
+            self.probe = comm.broadcast_object(probe, src=0)
+        return self.probe
 
     def close(self) -> None:
         self.logger.close()

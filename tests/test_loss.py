@@ -94,26 +94,60 @@ def test_aggregations(aggregation):
     torch.testing.assert_close(loss, expected, atol=1e-6, rtol=1e-6)
 
 
-@pytest.mark.parametrize("correction", ["tis", "icepop", "seq_mask_tis"])
-def test_corrections_multiply_per_token_losses(correction):
+def _ref_correction_weight(name, log_ratio, mask, cap=1.5, low=0.7, high=1.3, seq_low=0.8, seq_high=1.25):
+    """Plain formulas: r = pi_proximal / pi_generator per token."""
+    r = torch.exp(log_ratio)
+    band = ((r >= low) & (r <= high)).float()
+    if name == "tis":
+        return torch.minimum(r, torch.full_like(r, cap))
+    if name == "icepop":
+        return r * band
+    if name == "token_k1":
+        return band
+    geo = torch.exp((log_ratio * mask).sum(-1) / mask.sum(-1))
+    keep = ((geo >= seq_low) & (geo <= seq_high)).float()
+    return keep[:, None] * torch.minimum(r, torch.full_like(r, cap))
+
+
+@pytest.mark.parametrize("mode", ["decoupled", "bypass"])
+@pytest.mark.parametrize("correction", ["tis", "icepop", "token_k1", "seq_mask_tis"])
+def test_corrections_apply_the_importance_weight_once(correction, mode):
+    """Decoupled: PPO ratio against the proximal (trainer's own, detached) log-probs, times the
+    truncated / masked IS weight proximal vs generator. Bypass: PPO ratio against the generator,
+    times the correction's mask only. Never r * w(r) (the ratio counted twice)."""
+    if correction == "tis" and mode == "bypass":
+        with pytest.raises(ValueError, match="correction_mode=bypass has no effect"):
+            LossConfig(correction="tis", correction_mode="bypass")
+        return
     lp, old, shadow, adv, mask, _ = _batch(beta_scale=0.5)
-    cfg = LossConfig(ratio="train", clip="none", correction=correction, tis_cap=1.5, icepop_low=0.7,
-                     icepop_high=1.3, seq_mask_low=0.8, seq_mask_high=1.25)
-    loss, metrics = policy_loss(lp, old, adv, mask, cfg)
-    r = torch.exp(lp - old)
-    if correction == "tis":
-        w = r.clamp(max=1.5)
-    elif correction == "icepop":
-        w = ((r >= 0.7) & (r <= 1.3)).float()
+    cfg = LossConfig(ratio="train", clip="ppo", correction=correction, correction_mode=mode, tis_cap=1.5,
+                     icepop_low=0.7, icepop_high=1.3, seq_mask_low=0.8, seq_mask_high=1.25)
+    ours_lp, ref_lp = lp.clone().requires_grad_(True), lp.clone().requires_grad_(True)
+    loss, metrics = policy_loss(ours_lp, old, adv, mask, cfg)
+    w = _ref_correction_weight(correction, lp - old, mask.float())
+    a = adv[:, None]
+    if mode == "decoupled":
+        r = torch.exp(ref_lp - ref_lp.detach())  # value 1: one update per rollout batch
     else:
-        geo = torch.exp(((lp - old) * mask).sum(-1) / mask.sum(-1))
-        keep = ((geo >= 0.8) & (geo <= 1.25)).float()
-        w = keep[:, None] * r.clamp(max=1.5)
-    per_tok = -r * adv[:, None] * w
-    torch.testing.assert_close(loss, per_tok[mask].sum() / mask.sum(), atol=1e-6, rtol=1e-6)
+        r, w = torch.exp(ref_lp - old), (w > 0).float()
+    ref = (-torch.min(r * a, r.clamp(0.8, 1.2) * a) * w)[mask].sum() / mask.sum()
+    torch.testing.assert_close(loss, ref, atol=1e-6, rtol=1e-6)
+    loss.backward()
+    ref.backward()
+    torch.testing.assert_close(ours_lp.grad, ref_lp.grad, atol=1e-7, rtol=1e-5)
     torch.testing.assert_close(metrics["correction/weight_mean"], w[mask].mean(), atol=1e-6, rtol=1e-6)
     if correction != "tis":
-        assert metrics["correction/masked_fraction"] > 0
+        assert 0 < metrics["correction/masked_fraction"] < 1
+    if mode == "decoupled":  # the ratio the clip sees is 1: nothing is clipped
+        assert metrics["clip/region_fraction"] == 0
+
+
+def test_decoupled_shadow_ratio_weights_by_the_clean_ratio():
+    lp, old, shadow, adv, mask, _ = _batch(beta_scale=0.5)
+    cfg = LossConfig(ratio="shadow", clip="none", correction="tis", tis_cap=1.5)
+    loss, _ = policy_loss(lp, old, adv, mask, cfg, shadow_log_probs=shadow)
+    w = torch.exp(shadow - old).clamp(max=1.5)
+    torch.testing.assert_close(loss, (-adv[:, None] * w)[mask].sum() / mask.sum(), atol=1e-6, rtol=1e-6)
 
 
 def test_kl_penalty_k3():
@@ -164,7 +198,7 @@ def _np_metrics(lp, old, shadow, adv, mask, eps_lo=0.2, eps_hi=0.2):
         "clip/zero_grad_fraction": sum(zero(r, a) for r, a in zip(act, advs)) / n,
         "clip/phantom_zero_grad_fraction": sum(zero(r, a) and not zero(c, a) for r, c, a in zip(act, clean, advs)) / n,
         "clip/legit_zero_grad_fraction": sum(zero(r, a) and zero(c, a) for r, c, a in zip(act, clean, advs)) / n,
-        "policy/kl_rollout": mean([math.exp(o - s) - (o - s) - 1 for _, o, s, _ in toks]),
+        "policy/kl_rollout": mean([math.exp(s - o) - (s - o) - 1 for _, o, s, _ in toks]),
     }
 
 
@@ -253,7 +287,10 @@ def test_config_validation_names_the_key():
     with pytest.raises(ValueError, match="loss_fn.correction"):
         LossConfig(correction="bogus")
     with pytest.raises(ValueError, match="loss_fn.ratio_clip_min"):
-        LossConfig(ratio_clip_min=1.5)
+        LossConfig(ratio_clip_min=-0.1)
+    with pytest.raises(ValueError, match="loss_fn.correction_mode"):
+        LossConfig(correction="icepop", correction_mode="sideways")
+    LossConfig(ratio_clip_min=10.0, ratio_clip_max=10.0)  # the write-up's no-clip eps
 
 
 def test_registries_refuse_duplicates_and_list_names():
@@ -285,27 +322,40 @@ def test_user_ratio_source_plugs_in_without_editing_the_loss():
 def test_grpo_advantages():
     rewards = torch.tensor([1.0, 2.0, 3.0, 5.0, 5.0, 5.0])
     adv = grpo_advantages(rewards, 3)
-    torch.testing.assert_close(adv[:3], torch.tensor([-1.0, 0.0, 1.0]), atol=1e-5, rtol=0)
-    assert torch.equal(adv[3:], torch.zeros(3))
-    torch.testing.assert_close(grpo_advantages(rewards, 3, scale="none")[:3], torch.tensor([-1.0, 0.0, 1.0]))
+    torch.testing.assert_close(adv[:3], torch.tensor([-1.0, 0.0, 1.0], dtype=torch.float64), atol=1e-5, rtol=0)
+    assert torch.equal(adv[3:], torch.zeros(3, dtype=torch.float64))
+    torch.testing.assert_close(grpo_advantages(rewards, 3, scale="none")[:3],
+                               torch.tensor([-1.0, 0.0, 1.0], dtype=torch.float64))
     with pytest.raises(ValueError, match="group_size"):
         grpo_advantages(rewards, 4)
+
+
+@pytest.mark.parametrize("value", [0.7, 2.9, -16.0, 1e-3])
+@pytest.mark.parametrize("estimator", ["grpo", "dr_grpo", "rloo"])
+def test_all_equal_reward_groups_get_exactly_zero_advantage(value, estimator):
+    from megatron_grpo.loss import ADVANTAGE_ESTIMATORS
+
+    rewards = torch.tensor([value] * 8 + [1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0], dtype=torch.float32)
+    adv = ADVANTAGE_ESTIMATORS.get(estimator)(rewards, 8)
+    assert adv.dtype == torch.float64
+    assert torch.equal(adv[:8], torch.zeros(8, dtype=torch.float64))
+    assert adv[8:].abs().min() > 0.1
 
 
 # ---- data parallel + micro-batches == one process ---------------------------------------------------
 
 CONFIGS = [LossConfig(), LossConfig(ratio="shadow", aggregation="seq_mean_token_mean"),
-           LossConfig(clip="none", correction="icepop", icepop_low=0.8, icepop_high=1.2)]
+           LossConfig(clip="none", correction="icepop", icepop_low=0.8, icepop_high=1.2),
+           LossConfig(clip="detach_center"), LossConfig(ratio="shadow", clip="detach_center")]
 
 
-def _dp_worker(cfg_index):
-    import torch.distributed as dist
+def _dp_worker_one(cfg_index, rank, group, empty_rows=False):
+    from megatron_grpo.loss.policy import weight_center
 
-    from megatron_grpo.parallel import state
-
-    state.init_distributed()
-    rank = dist.get_rank()
     lp, old, shadow, adv, mask, _ = _batch(seed=4)
+    if empty_rows:
+        mask = mask.clone()
+        mask[B // 2:] = False  # rank 1 holds no valid token at all
     mine = slice(rank * B // 2, (rank + 1) * B // 2)
     rows = [slice(0, 1), slice(1, 3)]
     local = [t[mine] for t in (lp, old, shadow, adv, mask)]
@@ -313,25 +363,112 @@ def _dp_worker(cfg_index):
     leaf = local[0].clone().requires_grad_(True)
     stats = StatSet()
     n_tok, n_seq = mask.sum().double(), mask.any(-1).sum().double()
+    # detach_center: mu_W of the whole global batch, as the step's pre-pass computes it
+    center = weight_center(local[0], local[1], local[3], local[4], CONFIGS[cfg_index], shadow_log_probs=local[2],
+                           dp_group=group)
     for sl in rows:
         loss, s = policy_loss_stats(leaf[sl], local[1][sl], local[3][sl], local[4][sl], CONFIGS[cfg_index],
                                     shadow_log_probs=local[2][sl], num_global_tokens=n_tok, num_global_seqs=n_seq,
-                                    dp_group=dist.group.WORLD)
+                                    weight_center=center, dp_group=group)
         loss.backward()
         stats.merge(s)
-    return leaf.grad, finalize(*stats.reduce(dist.group.WORLD))
+    return leaf.grad, finalize(*stats.reduce(group))
 
 
-@pytest.mark.parametrize("cfg_index", range(len(CONFIGS)))
-def test_dp2_microbatches_match_single_process(cfg_index):
-    lp, old, shadow, adv, mask, _ = _batch(seed=4)
-    leaf = lp.clone().requires_grad_(True)
-    loss, single = policy_loss(leaf, old, adv, mask, CONFIGS[cfg_index], shadow_log_probs=shadow)
+def _dp_worker():
+    import torch.distributed as dist
+
+    from megatron_grpo.parallel import state
+
+    state.init_distributed()
+    rank = dist.get_rank()
+    out = [_dp_worker_one(i, rank, dist.group.WORLD) for i in range(len(CONFIGS))]
+    return out + [_dp_worker_one(0, rank, dist.group.WORLD, empty_rows=True)]
+
+
+def test_dp2_microbatches_match_single_process():
+    """Every config (detach_center included), and a rank whose rows hold no valid token (it must
+    keep running the same collectives: no raise on one rank only)."""
+    results = run_distributed(_dp_worker, 2, timeout=300)
+    cases = [(i, False) for i in range(len(CONFIGS))] + [(0, True)]
+    for k, (cfg_index, empty_rows) in enumerate(cases):
+        lp, old, shadow, adv, mask, _ = _batch(seed=4)
+        if empty_rows:
+            mask = mask.clone()
+            mask[B // 2:] = False
+        leaf = lp.clone().requires_grad_(True)
+        loss, single = policy_loss(leaf, old, adv, mask, CONFIGS[cfg_index], shadow_log_probs=shadow)
+        loss.backward()
+        grad = torch.cat([r[k][0] for r in results], dim=0)
+        torch.testing.assert_close(grad, leaf.grad, atol=1e-6, rtol=1e-6, msg=f"config {cfg_index}")
+        for rank_result in results:
+            metrics = rank_result[k][1]
+            assert set(metrics) == set(single)
+            for name in single:
+                assert metrics[name].item() == pytest.approx(single[name].item(), abs=1e-6, nan_ok=True), name
+
+
+def test_detach_center_uses_the_given_global_mean():
+    """Micro-batches centre on mu_W of the whole batch (given), not on their own mean."""
+    from megatron_grpo.loss.policy import weight_center
+
+    lp, old, shadow, adv, mask, _ = _batch(seed=2)
+    cfg = LossConfig(clip="detach_center")
+    full = lp.clone().requires_grad_(True)
+    loss, _ = policy_loss(full, old, adv, mask, cfg)
     loss.backward()
-    results = run_distributed(_dp_worker, 2, cfg_index)
-    grad = torch.cat([g for g, _ in results], dim=0)
-    torch.testing.assert_close(grad, leaf.grad, atol=1e-6, rtol=1e-6)
-    for _, metrics in results:
-        assert set(metrics) == set(single)
-        for name in single:
-            assert metrics[name].item() == pytest.approx(single[name].item(), abs=1e-6), name
+    center = weight_center(lp, old, adv, mask, cfg)
+    parts = lp.clone().requires_grad_(True)
+    n_tok, n_seq = mask.sum().double(), mask.any(-1).sum().double()
+    for sl in (slice(0, 1), slice(1, 4), slice(4, B)):
+        part, _ = policy_loss(parts[sl], old[sl], adv[sl], mask[sl], cfg, num_global_tokens=n_tok,
+                              num_global_seqs=n_seq, weight_center=center)
+        part.backward()
+    torch.testing.assert_close(parts.grad, full.grad, atol=1e-7, rtol=1e-6)
+    w = torch.min(torch.exp(lp - old) * adv[:, None], torch.exp(lp - old).clamp(0.8, 1.2) * adv[:, None])
+    assert center.item() == pytest.approx(w[mask].mean().item(), abs=1e-6)
+
+
+def test_snr_is_nan_when_beta_is_exactly_zero():
+    lp, old, _, adv, mask, _ = _batch()
+    _, metrics = policy_loss(lp, old, adv, mask, LossConfig(), shadow_log_probs=lp.clone())
+    assert metrics["precision/beta_abs_mean"].item() == 0.0
+    assert math.isnan(metrics["precision/snr"].item())
+
+
+def test_kl_rollout_k3_is_unbiased_for_kl_rollout_to_current():
+    """Tokens sampled from the rollout policy q: mean of (r - 1) - log r, r = p / q, is KL(q || p)."""
+    from megatron_grpo.loss.metrics import k3, kl_rollout_k3
+
+    g = torch.Generator().manual_seed(0)
+    log_q = torch.log_softmax(torch.randn(6, generator=g) * 2, -1)
+    log_p = torch.log_softmax(torch.randn(6, generator=g) * 2, -1)
+    exact = (log_q.exp() * (log_q - log_p)).sum().item()
+    reverse = (log_p.exp() * (log_p - log_q)).sum().item()
+    tokens = torch.multinomial(log_q.exp(), 400_000, replacement=True, generator=g)
+    ours = kl_rollout_k3(log_p[tokens], log_q[tokens]).mean().item()
+    assert ours == pytest.approx(exact, rel=0.02)
+    assert abs(k3(log_p[tokens], log_q[tokens]).mean().item() - exact) > 0.1 * exact  # the old orientation
+    assert abs(exact - reverse) > 0.1 * exact
+    lp, old, shadow, adv, mask, _ = _batch()
+    _, metrics = policy_loss(lp, old, adv, mask, LossConfig(), shadow_log_probs=shadow)
+    torch.testing.assert_close(metrics["policy/kl_rollout"], kl_rollout_k3(shadow, old)[mask].mean(), atol=1e-6,
+                               rtol=1e-6)
+
+
+def test_large_eps_and_log_ratios_beyond_the_clamp_keep_their_gradient():
+    """eps = 10 (the write-up's no-clip run) is accepted; a token whose log-ratio is beyond the
+    +-20 value clamp still has a gradient (the clamp acts on the value only)."""
+    lp, old, shadow, adv, mask, _ = _batch()
+    old = old.clone()
+    adv = adv.clone()
+    adv[0] = -1.0
+    old[0, 0] = lp[0, 0] - 25.0  # log r = +25 with A < 0: PPO's unclipped branch wins
+    for cfg in (LossConfig(), LossConfig(ratio_clip_min=10.0, ratio_clip_max=10.0)):
+        leaf = lp.clone().requires_grad_(True)
+        loss, metrics = policy_loss(leaf, old, adv, mask, cfg)
+        loss.backward()
+        assert torch.isfinite(leaf.grad).all() and leaf.grad[0, 0] > 0
+        zero = ((leaf.grad == 0) & mask).sum().item() / mask.sum().item()
+        assert metrics["clip/zero_grad_fraction"].item() == pytest.approx(zero, abs=1e-7)
+    assert metrics["clip/zero_grad_fraction"] == 0  # eps = 10: nothing in [-9, 11] ... every token keeps its gradient

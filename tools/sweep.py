@@ -36,7 +36,7 @@ GRIDS: Dict[str, Dict[str, List[str]]] = {
         "B-fp32-mismatch": _FP32_VS_BF16,
         "F-ratio-one": _FP32_VS_BF16 + ["loss_fn.ratio=one"],
         "G-shadow-ratio": _FP32_VS_BF16 + ["loss_fn.ratio=shadow"],
-        "no-clip": _FP32_VS_BF16 + ["loss_fn.clip=none"],
+        "no-clip": _FP32_VS_BF16 + ["loss_fn.ratio_clip_min=10", "loss_fn.ratio_clip_max=10"],  # eps = 10
         "detach": _FP32_VS_BF16 + ["loss_fn.clip=detach"],
         "detach-center": _FP32_VS_BF16 + ["loss_fn.clip=detach_center"],
         "fp16-matched": ["policy.precision.compute_dtype=float16", "policy.precision.generation_dtype=float16"],

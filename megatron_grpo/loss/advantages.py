@@ -10,11 +10,14 @@ ADVANTAGE_ESTIMATORS = Registry("advantage estimator")
 
 
 def grpo_advantages(rewards: torch.Tensor, group_size: int, *, scale: str = "std", eps: float = 1e-6) -> torch.Tensor:
-    """Group-normalised advantages ``[N]`` from rewards ``[N]`` ordered group by group.
+    """Group-normalised advantages ``[N]`` (float64) from rewards ``[N]`` ordered group by group.
 
     ``A_i = (r_i - mean_g) / (std_g + eps)`` with the unbiased std of the group
     (``scale="std"``, GRPO), or ``A_i = r_i - mean_g`` (``scale="none"``, Dr. GRPO).
-    A group of size 1 has advantage 0.
+    Computed in float64, and a group whose rewards are all equal (max == min, a group of
+    size 1 included) gets exactly A = 0: in float32 the mean of 8 x 0.7 is one ulp off and
+    dividing that by std + eps = 1e-6 gave every member the same non-zero advantage. The
+    loss casts to float32 where it multiplies.
     """
     if rewards.dim() != 1:
         raise ValueError(f"rewards must be 1-D [num_prompts * group_size], got shape {tuple(rewards.shape)}")
@@ -22,11 +25,12 @@ def grpo_advantages(rewards: torch.Tensor, group_size: int, *, scale: str = "std
         raise ValueError(f"group_size={group_size} does not divide the number of rewards {rewards.numel()}")
     if scale not in ("std", "none"):
         raise ValueError(f"scale must be 'std' or 'none', got {scale!r}")
-    grouped = rewards.float().view(-1, group_size)
+    grouped = rewards.to(torch.float64).view(-1, group_size)
     centred = grouped - grouped.mean(dim=1, keepdim=True)
     if scale == "std" and group_size > 1:
         centred = centred / (grouped.std(dim=1, keepdim=True) + eps)
-    return centred.reshape(-1)
+    constant = grouped.amax(dim=1, keepdim=True) == grouped.amin(dim=1, keepdim=True)
+    return torch.where(constant, torch.zeros_like(centred), centred).reshape(-1)
 
 
 @ADVANTAGE_ESTIMATORS.register("grpo")

@@ -1,15 +1,15 @@
 """Clip variants: how the ratio and the advantage become a per-token loss.
 
 Each variant is a class with two static methods:
-``loss(ratio, adv, log_probs, cfg, token_mean) -> [B, T]`` and
+``loss(ratio, adv, log_probs, cfg, center) -> [B, T]`` and
 ``zero_grad(ratio_value, adv, cfg) -> bool [B, T]``, the tokens whose gradient from
 this term is exactly zero because the clip decided so (tokens with A == 0 have no
-gradient under any variant and are not counted).
+gradient under any variant and are not counted). A variant with ``needs_center = True``
+gets ``center``: the mean of its detached weight over the valid tokens of the *whole*
+global batch (all micro-batches, all data-parallel ranks), computed before the schedule.
 """
 
 from __future__ import annotations
-
-from typing import Callable
 
 import torch
 
@@ -19,8 +19,9 @@ CLIP_VARIANTS = Registry("clip variant")
 
 
 def clamp_ratio(ratio: torch.Tensor, cfg) -> torch.Tensor:
-    """clamp(r, 1 - eps_low, 1 + eps_high)."""
-    return ratio.clamp(1.0 - cfg.ratio_clip_min, 1.0 + cfg.ratio_clip_max)
+    """clamp(r, max(0, 1 - eps_low), 1 + eps_high): eps_low >= 1 (the write-up's eps = 10) leaves
+    the ratio unbounded below, its natural floor 0."""
+    return ratio.clamp(max(0.0, 1.0 - cfg.ratio_clip_min), 1.0 + cfg.ratio_clip_max)
 
 
 def outside_region(ratio_value: torch.Tensor, cfg) -> torch.Tensor:
@@ -33,7 +34,8 @@ def ppo_clipped(ratio_value: torch.Tensor, adv: torch.Tensor, cfg) -> torch.Tens
     return ((adv > 0) & (ratio_value > 1.0 + cfg.ratio_clip_max)) | ((adv < 0) & (ratio_value < 1.0 - cfg.ratio_clip_min))
 
 
-def _ppo_weight(ratio: torch.Tensor, adv: torch.Tensor, cfg) -> torch.Tensor:
+def ppo_weight(ratio: torch.Tensor, adv: torch.Tensor, cfg) -> torch.Tensor:
+    """W = min(r*A, clamp(r)*A), the PPO surrogate per token."""
     return torch.minimum(ratio * adv, clamp_ratio(ratio, cfg) * adv)
 
 
@@ -42,8 +44,8 @@ class PPOClip:
     """-min(r*A, clamp(r, 1-eps_low, 1+eps_high)*A)."""
 
     @staticmethod
-    def loss(ratio, adv, log_probs, cfg, token_mean: Callable) -> torch.Tensor:
-        return -_ppo_weight(ratio, adv, cfg)
+    def loss(ratio, adv, log_probs, cfg, center=None) -> torch.Tensor:
+        return -ppo_weight(ratio, adv, cfg)
 
     @staticmethod
     def zero_grad(ratio_value, adv, cfg) -> torch.Tensor:
@@ -55,7 +57,7 @@ class NoClip:
     """-r*A: the unclipped importance-sampled policy gradient."""
 
     @staticmethod
-    def loss(ratio, adv, log_probs, cfg, token_mean: Callable) -> torch.Tensor:
+    def loss(ratio, adv, log_probs, cfg, center=None) -> torch.Tensor:
         return -ratio * adv
 
     @staticmethod
@@ -68,8 +70,8 @@ class DetachClip:
     """-W.detach() * log_probs with W = min(r*A, clamp(r)*A): every token keeps a gradient."""
 
     @staticmethod
-    def loss(ratio, adv, log_probs, cfg, token_mean: Callable) -> torch.Tensor:
-        return -_ppo_weight(ratio, adv, cfg).detach() * log_probs
+    def loss(ratio, adv, log_probs, cfg, center=None) -> torch.Tensor:
+        return -ppo_weight(ratio, adv, cfg).detach() * log_probs
 
     @staticmethod
     def zero_grad(ratio_value, adv, cfg) -> torch.Tensor:
@@ -78,12 +80,16 @@ class DetachClip:
 
 @CLIP_VARIANTS.register("detach_center")
 class DetachCenterClip:
-    """As ``detach``, with W minus its token mean (over the valid tokens of the call, all DP ranks)."""
+    """As ``detach``, with W minus mu_W, its mean over the valid tokens of the global batch."""
+
+    needs_center = True
 
     @staticmethod
-    def loss(ratio, adv, log_probs, cfg, token_mean: Callable) -> torch.Tensor:
-        weight = _ppo_weight(ratio, adv, cfg).detach()
-        return -(weight - token_mean(weight)) * log_probs
+    def loss(ratio, adv, log_probs, cfg, center=None) -> torch.Tensor:
+        if center is None:
+            raise ValueError("loss_fn.clip=detach_center needs the global mean of W (center)")
+        weight = ppo_weight(ratio, adv, cfg).detach()
+        return -(weight - center.to(weight.dtype)) * log_probs
 
     @staticmethod
     def zero_grad(ratio_value, adv, cfg) -> torch.Tensor:

@@ -21,7 +21,8 @@ class LossConfig:
     with W = min(rA, clip(r)A)) or ``detach_center`` (W minus its token mean)."""
 
     ratio_clip_min: float = 0.2
-    """eps_low: the ratio is clipped below at 1 - ratio_clip_min."""
+    """eps_low: the ratio is clipped below at max(0, 1 - ratio_clip_min); >= 1 leaves it
+    unclipped below (the write-up's no-clip run: eps = 10)."""
 
     ratio_clip_max: float = 0.2
     """eps_high: the ratio is clipped above at 1 + ratio_clip_max (DAPO's clip-higher if larger)."""
@@ -31,11 +32,19 @@ class LossConfig:
     the global batch), ``seq_mean_token_mean`` or ``seq_mean_token_sum``."""
 
     correction: Optional[str] = None
-    """Off-policy correction from the trainer-vs-generator ratio, computed once without
-    gradient: None, ``tis`` (truncated importance sampling, weight min(r, tis_cap)),
-    ``icepop`` (mask tokens whose ratio is outside [icepop_low, icepop_high]) or
-    ``seq_mask_tis`` (drop whole sequences whose geometric-mean ratio is outside
-    [seq_mask_low, seq_mask_high], TIS-weight the tokens of the others)."""
+    """Off-policy correction from r = pi_proximal / pi_generator, computed without gradient:
+    None, ``tis`` (truncated importance sampling, weight min(r, tis_cap)), ``icepop`` (weight r
+    for tokens with r in [icepop_low, icepop_high], 0 outside), ``token_k1`` (the same band as
+    a pure 0/1 mask) or ``seq_mask_tis`` (drop whole sequences whose geometric-mean ratio is
+    outside [seq_mask_low, seq_mask_high], TIS-weight the tokens of the others)."""
+
+    correction_mode: str = "decoupled"
+    """How a correction combines with the PPO ratio (ignored without a correction, where the
+    ratio is against the generator: standard PPO, the write-up's runs). ``decoupled`` (NeMo-RL,
+    verl's default): the PPO ratio is against the proximal policy (the trainer's own detached
+    log-probs at the current weights) and the correction's weight carries proximal vs
+    generator. ``bypass`` (verl's bypass_mode): the PPO ratio is against the generator and the
+    correction contributes only its mask (no second importance weight)."""
 
     tis_cap: float = 2.0
     """C in TIS's min(r, C) (``tis`` and ``seq_mask_tis``)."""
@@ -73,8 +82,12 @@ class LossConfig:
         for key in ("ratio_clip_min", "ratio_clip_max", "tis_cap", "reference_policy_kl_penalty"):
             if getattr(self, key) < 0:
                 raise ValueError(f"loss_fn.{key} must be >= 0, got {getattr(self, key)}")
-        if self.ratio_clip_min >= 1:
-            raise ValueError(f"loss_fn.ratio_clip_min must be < 1 (ratio floor 1 - eps), got {self.ratio_clip_min}")
+        if self.correction_mode not in ("decoupled", "bypass"):
+            raise ValueError(f"loss_fn.correction_mode must be decoupled or bypass, got {self.correction_mode!r}")
+        if self.correction_mode == "bypass" and self.correction in corrections.WEIGHT_ONLY:
+            raise ValueError(f"loss_fn.correction={self.correction} with loss_fn.correction_mode=bypass has no effect: "
+                             f"the PPO ratio against the generator already carries the importance weight and "
+                             f"{self.correction} masks nothing; use loss_fn.correction_mode=decoupled")
         if not 0 <= self.icepop_low <= self.icepop_high:
             raise ValueError(f"loss_fn.icepop_low/icepop_high must satisfy 0 <= low <= high, got {self.icepop_low}, {self.icepop_high}")
         if not 0 <= self.seq_mask_low <= self.seq_mask_high:

@@ -24,8 +24,6 @@ COMMON_LOGPROB = -5.0
 """Rollout log-prob above which a token is ``common``."""
 RARE_LOGPROB = -20.0
 """Rollout log-prob at or below which a token is ``rare``; in between is ``medium``."""
-SNR_FLOOR = 1e-12
-"""Floor of mean|beta| in SNR = mean|alpha| / max(mean|beta|, floor)."""
 
 
 def precision_stats(stats: StatSet, log_probs, shadow, old, adv, mask) -> None:
@@ -89,9 +87,19 @@ def routing_stats(stats: StatSet, train_routes, natural_routes, ref_routes, beta
 
 
 def k3(log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
-    """Schulman's k3 estimator of KL(p || q) per token: exp(q - p) - (q - p) - 1 (>= 0)."""
+    """Schulman's k3 estimator of KL(p || q) per token, for tokens sampled from p:
+    exp(q - p) - (q - p) - 1 (>= 0; unbiased only under samples from p)."""
     diff = (log_q - log_p).clamp(-20.0, 20.0)
     return torch.exp(diff) - diff - 1.0
+
+
+def kl_rollout_k3(current: torch.Tensor, rollout: torch.Tensor) -> torch.Tensor:
+    """KL(rollout || current) per token with r = pi_current / pi_rollout: (r - 1) - log r.
+
+    The tokens were sampled from the rollout policy, so this is the orientation whose
+    expectation is a KL (verl's ``rollout_corr/k3_kl``); exp(rollout - current) - ... - 1
+    would estimate KL(current || rollout) only under samples from the current policy."""
+    return k3(rollout, current)
 
 
 def deployed_improvement_stats(lp_before, lp_after, advantages, mask) -> StatSet:
@@ -148,7 +156,9 @@ def _precision_metrics(sums, maxes, n) -> Dict[str, torch.Tensor]:
         "precision/beta_abs_max": maxes["beta_abs_max"],
         "precision/beta_adv_corr": _safe_div(cov, (beta_var * adv_var).sqrt()),
         "precision/alpha_abs_mean": alpha_abs_mean,
-        "precision/snr": alpha_abs_mean / beta_abs_mean.clamp(min=SNR_FLOOR),
+        # NaN (written as null) when beta is exactly 0, e.g. the shadow forward is skipped
+        "precision/snr": torch.where(beta_abs_mean > 0, alpha_abs_mean / beta_abs_mean.clamp(min=1e-300),
+                                     torch.full_like(beta_abs_mean, float("nan"))),
     }
     for name in ("common", "medium", "rare"):
         out[f"precision/beta_abs_mean_{name}"] = _safe_div(sums[f"beta_abs_{name}"], sums[f"n_{name}"])

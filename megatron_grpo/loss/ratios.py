@@ -17,9 +17,11 @@ from megatron_grpo.registry import Registry
 RATIO_SOURCES = Registry("ratio source")
 
 LOG_RATIO_CLAMP = 20.0
-"""Log-ratios are clamped to +-20 before ``exp``: exp(20) ~ 4.9e8 is far past any clip
-boundary, and without it a single token whose log-prob diverged (e.g. a rare token
-under a mismatched precision) gives inf * 0 = NaN in the loss."""
+"""Ratio *values* use log-ratios clamped to +-20 before ``exp``: exp(20) ~ 4.9e8 is far past
+any clip boundary, and without it a single token whose log-prob diverged (e.g. a rare token
+under a mismatched precision) gives inf * 0 = NaN in the loss. The clamp acts on the value
+only: the gradient always flows through ``_grad_carrier`` (d r = r_clamped * d log_probs),
+so no token's gradient is silently zeroed by it."""
 
 
 def clamp_log_ratio(log_ratio: torch.Tensor) -> torch.Tensor:
@@ -34,8 +36,9 @@ def _grad_carrier(log_probs: torch.Tensor) -> torch.Tensor:
 
 @RATIO_SOURCES.register("train")
 def train_ratio(log_probs: torch.Tensor, old_log_probs: torch.Tensor, shadow_log_probs: Optional[torch.Tensor]) -> torch.Tensor:
-    """r = exp(log_probs - old_log_probs): precision gap beta included."""
-    return torch.exp(clamp_log_ratio(log_probs - old_log_probs))
+    """r = exp(log_probs - old_log_probs): precision gap beta included (value clamped, gradient kept)."""
+    value = torch.exp(clamp_log_ratio(log_probs.detach() - old_log_probs))
+    return value * _grad_carrier(log_probs)
 
 
 @RATIO_SOURCES.register("shadow")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 
 import torch
 
@@ -45,3 +46,33 @@ def layer_spec(num_experts: int | None, backend: str = "auto"):
         return specs.get_gpt_layer_with_transformer_engine_spec(num_experts=experts, qk_layernorm=True), "te"
     logger.info("layer spec: Megatron-Core local (torch layers)")
     return specs.get_gpt_layer_local_spec(num_experts=experts, qk_layernorm=True, normalization="RMSNorm"), "local"
+
+
+def resolve_backend(backend: str, compute_dtype: torch.dtype) -> str:
+    """The layer backend to build: ``auto`` picks Transformer Engine when usable, except with fp32
+    compute, where Megatron's local layers run torch GEMMs with TF32 off (true fp32, as the
+    write-up's fp32 trainer; TE's cuBLASLt GEMMs may compute fp32 inputs in TF32)."""
+    if backend == "auto" and compute_dtype == torch.float32 and te_usable():
+        logger.info("compute_dtype=float32: Megatron's local layers (true fp32 GEMMs) instead of Transformer Engine")
+        return "local"
+    if backend == "te" and compute_dtype == torch.float32:
+        logger.warning("transformer_impl=te with compute_dtype=float32: TF32 is disabled through "
+                       "NVIDIA_TF32_OVERRIDE=0, which TE's cuBLASLt GEMMs honour only if it was set before CUDA "
+                       "initialised; use transformer_impl=local for guaranteed fp32 GEMMs")
+    return backend
+
+
+def configure_fp32_matmul(compute_dtype: torch.dtype) -> str:
+    """Makes fp32 compute really fp32 on GPU: TF32 off in torch (matmul, cuDNN) and, for cuBLAS
+    handles created after this call (Transformer Engine's included), ``NVIDIA_TF32_OVERRIDE=0``.
+    Returns how fp32 GEMMs run, for the log. A no-op for bf16/fp16 compute."""
+    if compute_dtype != torch.float32:
+        return f"{compute_dtype} GEMMs"
+    os.environ.setdefault("NVIDIA_TF32_OVERRIDE", "0")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    torch.set_float32_matmul_precision("highest")
+    label = "true fp32 GEMMs (TF32 off)" if os.environ["NVIDIA_TF32_OVERRIDE"] == "0" else (
+        "fp32 GEMMs; NVIDIA_TF32_OVERRIDE is set to a non-zero value by the environment: cuBLAS may use TF32")
+    logger.info("compute_dtype=float32: %s", label)
+    return label

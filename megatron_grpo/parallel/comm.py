@@ -27,18 +27,39 @@ def group_rank(group=None) -> int:
     return dist.get_rank(group) if _active(group) else 0
 
 
+def collective_device(preferred: Optional[torch.device] = None, group=None) -> torch.device:
+    """The device a tensor must be on for a collective over ``group``: the current CUDA device
+    for NCCL groups, the CPU for gloo (and when not distributed: ``preferred`` or the CPU)."""
+    if dist.is_available() and dist.is_initialized():
+        if dist.get_backend(group) == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+    return torch.device(preferred) if preferred is not None else torch.device("cpu")
+
+
+def _all_reduce(tensor: torch.Tensor, op, group) -> torch.Tensor:
+    """In-place all-reduce. A tensor on another device than the group's backend needs (a CPU
+    tensor under NCCL, a CUDA tensor under gloo) goes through a temporary copy; the step keeps
+    its tensors on the model's device, so this is the exception, not the path."""
+    if not _active(group):
+        return tensor
+    device = collective_device(tensor.device, group)
+    if tensor.device == device:
+        dist.all_reduce(tensor, op=op, group=group)
+        return tensor
+    moved = tensor.to(device)
+    dist.all_reduce(moved, op=op, group=group)
+    return tensor.copy_(moved)
+
+
 def all_reduce_sum(tensor: torch.Tensor, group=None) -> torch.Tensor:
     """In-place SUM all-reduce over ``group``; returns ``tensor``."""
-    if _active(group):
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
-    return tensor
+    return _all_reduce(tensor, dist.ReduceOp.SUM, group)
 
 
 def all_reduce_max(tensor: torch.Tensor, group=None) -> torch.Tensor:
     """In-place MAX all-reduce over ``group``; returns ``tensor``."""
-    if _active(group):
-        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
-    return tensor
+    return _all_reduce(tensor, dist.ReduceOp.MAX, group)
 
 
 def all_gather_cat(tensor: torch.Tensor, dim: int, group=None) -> torch.Tensor:

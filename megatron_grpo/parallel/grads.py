@@ -60,13 +60,14 @@ def model_sum(params: List[torch.nn.Parameter], per_param) -> torch.Tensor:
     from megatron.core import parallel_state as ps
 
     tp_rank, etp_rank = ps.get_tensor_model_parallel_rank(), ps.get_expert_tensor_parallel_rank()
-    dense, expert = torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.float64)
+    device = params[0].device if params else None
+    dense, expert = (torch.zeros((), dtype=torch.float64, device=device) for _ in range(2))
     for i, p in enumerate(params):
         if p.grad is None:
             continue
         if not getattr(p, "tensor_model_parallel", False) and (etp_rank if _is_expert(p) else tp_rank) != 0:
             continue
-        value = per_param(i, p).double().cpu()
+        value = per_param(i, p).double()
         if _is_expert(p):
             expert += value
         else:
