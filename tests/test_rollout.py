@@ -142,15 +142,20 @@ def test_staleness_gate_never_accepts_two_versions_old():
         StalenessGate(-1)
 
 
-def test_async_run_trains_on_at_most_one_version_old(tmp_path, tiny_dense):
+def test_async_pipeline_is_max_staleness_deep_and_probes_at_temperature_one(tmp_path, tiny_dense):
+    """max_staleness = 2 really trains on rollouts two versions old (a two-deep pipeline); at
+    T = 0.7 the start-up parity probe passes (both sides score at T = 1) and stays tight."""
     from tests.test_train import run_cli
 
-    code, out, rows = run_cli([f"policy.model_name={tiny_dense}", "grpo.max_num_steps=4",
-                               "generation.max_staleness=1", "grpo.deployed_improvement=false"], str(tmp_path))
+    code, out, rows = run_cli([f"policy.model_name={tiny_dense}", "grpo.max_num_steps=5", "generation.temperature=0.7",
+                               "generation.max_staleness=2", "grpo.deployed_improvement=false"], str(tmp_path))
     assert code == 0, out[-3000:]
     lags = [r["rollout/policy_version_lag"] for r in rows]
-    assert max(lags) <= 1 and lags[0] == 0 and lags[1:] == [1, 1, 1]  # overlapped: generated one version back
+    assert lags == [0, 1, 2, 2, 2]  # generated ahead: step k trains on weights k - 2
     assert all(r["rollout/dropped_stale"] == 0 for r in rows)
+    assert all(r["sync/logprob_abs_diff_mean"] < 1e-4 for r in rows)
+    assert all("sync/logprob_diff_vs_baseline" in r for r in rows)
+    assert max(r["policy/kl_rollout"] for r in rows[2:]) > 0  # two versions of lag: alpha is policy movement
 
 
 def test_server_mode_generate_push_generate_and_dead_server_error(tiny_dense):

@@ -1,0 +1,170 @@
+"""step.py and its neighbours: detach_center over micro-batches, the metric path's devices, agreed
+batch checks, fp16 overflow back-off, true-fp32 GEMMs, the parity probe's baseline."""
+
+import math
+
+import pytest
+import torch
+
+from tests.test_routing import ROWS, _step_batch, _stepper
+
+
+def _grads_after_step(model_dir, micro_batch_size, clip):
+    torch.manual_seed(0)
+    st = _stepper(model_dir, f"policy.train_micro_batch_size={micro_batch_size}", f"loss_fn.clip={clip}",
+                  "policy.optimizer.clip_grad=0")
+    old = torch.full((ROWS, 24), -7.0)
+    st.current_step, st.nonfinite = 1, []
+    batch = _step_batch(old, torch.linspace(-1.0, 1.0, ROWS, dtype=torch.float64))
+    st.replay_routes = None
+    center = st.weight_center(batch, None)
+    st.optimizer.zero_grad()
+    stats, _ = st.forward_backward(batch, None, None, None, center)
+    st.optimizer.reduce_gradients()
+    return [p.grad.clone() for p in st.optimizer.params], center
+
+
+@pytest.mark.parametrize("clip", ["detach_center", "ppo"])
+def test_micro_batches_equal_one_batch(clip, tiny_dense, megatron_single):
+    """detach_center centres every micro-batch on mu_W of the whole batch (the no-grad pre-pass),
+    so 2 or 4 micro-batches give the gradient of 1 (per micro-batch centring differed by 1e-3)."""
+    one, center = _grads_after_step(tiny_dense, ROWS, clip)
+    assert (center is None) == (clip != "detach_center")
+    for mbs in (4, 2):
+        split, _ = _grads_after_step(tiny_dense, mbs, clip)
+        for a, b in zip(split, one):
+            torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-4)
+
+
+def test_step_metrics_live_on_the_model_device():
+    """Every tensor the step's metric path builds is made on the given device (``meta`` here, a
+    second device type); ``to_host``'s stack names any stray tensor on another device."""
+    from megatron_grpo.loss import StatSet, finalize
+    from megatron_grpo.metrics_logger import stack_metrics
+    from megatron_grpo.rollout import Rollout, Rollouts
+    from megatron_grpo.step import rollout_metrics
+
+    meta = torch.device("meta")
+    stats = StatSet()
+    stats.add_sum("n_tokens", torch.ones((), device=meta))
+    stats.add_sum("loss", torch.ones((), device=meta))
+    rollouts = Rollouts([Rollout(0, [1], [2, 3], [-1.0, -2.0], "stop", 0)])
+    metrics = finalize(*stats.reduce(None))
+    metrics.update(rollout_metrics(rollouts, torch.tensor([1.0], dtype=torch.float64), meta))
+    names, stacked = stack_metrics(metrics)
+    assert stacked.device == meta and len(names) == len(metrics)
+    metrics["time/step_s"] = torch.tensor(1.0)  # a CPU tensor among meta ones: named
+    with pytest.raises(AssertionError, match="time/step_s"):
+        stack_metrics(metrics)
+
+
+def test_batch_checks_run_on_the_whole_batch(tiny_dense):
+    """Checks every rank must agree on run before the schedule, on the batch all ranks hold."""
+    from megatron_grpo.rollout import Rollout, Rollouts
+    from megatron_grpo.step import build_step_batch
+
+    def rollouts(completion, logprobs):
+        return Rollouts([Rollout(i // 2, [5, 6], list(completion), list(logprobs), "stop", 0) for i in range(4)])
+
+    adv = torch.zeros(4, dtype=torch.float64)
+    batch = build_step_batch(rollouts([7], [-1.0]), adv, 1, 2, 0, step=3)
+    assert batch.advantages.dtype == torch.float64 and batch.num_global_tokens.item() == 4
+    with pytest.raises(ValueError, match="step 3: the batch has no valid completion token"):
+        build_step_batch(rollouts([], []), adv, 0, 2, 0, step=3)
+    with pytest.raises(ValueError, match="step 3: the generator returned 4 non-finite"):
+        build_step_batch(rollouts([7], [float("-inf")]), adv, 0, 2, 0, step=3)
+
+
+def test_fp16_overflow_backs_off_without_counting_as_a_nonfinite_skip(tiny_dense, megatron_single):
+    from megatron_grpo.config import OptimizerConfig, PrecisionConfig
+    from megatron_grpo.models import build_from_hf
+    from megatron_grpo.optim import Optimizer
+
+    model, _ = build_from_hf(tiny_dense)
+    precision = PrecisionConfig(compute_dtype="float16", initial_loss_scale=4.0, min_loss_scale=1.0)
+    opt = Optimizer(model, OptimizerConfig(lr=1e-3), precision)
+    before = [p.detach().clone() for p in opt.params]
+    flags = []
+    for _ in range(3):
+        for p in opt.params:
+            p.grad = torch.full_like(p, float("inf"))
+        out = opt.step()
+        flags.append((out["train/skipped_overflow"].item(), out["train/skipped_nonfinite"].item(), opt.loss_scale()))
+    # 4 -> 2 -> 1: back-off skips; at the minimum scale the overflow is a real non-finite skip
+    assert flags == [(1.0, 0.0, 2.0), (1.0, 0.0, 1.0), (0.0, 1.0, 1.0)]
+    assert all(torch.equal(a, p) for a, p in zip(before, opt.params))
+
+
+def test_fp32_compute_means_true_fp32_gemms(monkeypatch):
+    from megatron_grpo.models import spec
+
+    monkeypatch.delenv("NVIDIA_TF32_OVERRIDE", raising=False)
+    previous = (torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32)
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    try:
+        assert "true fp32" in spec.configure_fp32_matmul(torch.float32)
+        assert not torch.backends.cuda.matmul.allow_tf32 and not torch.backends.cudnn.allow_tf32
+        assert torch.get_float32_matmul_precision() == "highest"
+        import os
+
+        assert os.environ["NVIDIA_TF32_OVERRIDE"] == "0"
+    finally:
+        torch.set_float32_matmul_precision(previous[0])
+        torch.backends.cudnn.allow_tf32 = previous[1]
+    monkeypatch.setattr(spec, "te_usable", lambda: True)
+    assert spec.resolve_backend("auto", torch.float32) == "local"  # TE's fp32 GEMMs may be TF32
+    assert spec.resolve_backend("auto", torch.bfloat16) == "auto"
+    assert spec.resolve_backend("te", torch.float32) == "te"
+
+
+class _FakeEngine:
+    def __init__(self, diffs):
+        self.diffs = list(diffs)
+
+    def score(self, sequences, prompt_lens):
+        d = self.diffs.pop(0)
+        return [[-1.0 - d[i] for i in range(3)] for _ in sequences]
+
+
+def test_parity_probe_fails_on_growth_over_its_baseline_and_on_the_max():
+    from megatron_grpo.rollout.parity import ParityError, ProbeBatch, check_parity
+
+    probe = ProbeBatch([[1, 2, 3, 4, 5]], [2])
+    ours = lambda _: [[-1.0, -1.0, -1.0]]  # noqa: E731
+    engine = _FakeEngine([[0.01, 0.01, 0.01], [0.02, 0.02, 0.02], [0.05, 0.05, 0.05], [0.0, 0.0, 0.9]])
+    base = check_parity(engine, probe, ours, ["w"], 0.025, 0, max_tolerance=0.5)
+    assert base["sync/logprob_abs_diff_mean"] == pytest.approx(0.01)
+    drift = check_parity(engine, probe, ours, ["w"], 0.025, 1, max_tolerance=0.5, baseline=base)
+    assert drift["sync/logprob_diff_vs_baseline"] == pytest.approx(2.0)
+    with pytest.raises(ParityError, match="first probe: mean 0.01"):  # 5x the baseline, above the floor
+        check_parity(engine, probe, ours, ["w"], 0.025, 2, max_tolerance=0.5, baseline=base)
+    with pytest.raises(ParityError, match="max 0.9"):  # mean 0.3 within 0.025? no: the max alone fails too
+        check_parity(engine, probe, ours, ["w"], 1.0, 3, max_tolerance=0.5, baseline=base)
+
+
+def test_parity_probe_is_sampled_text_scored_at_temperature_one(tiny_dense, megatron_single):
+    """The probe is a completion the model samples (not uniform random tokens), and the trainer
+    scores it at T = 1 like the generator's ``score`` whatever the generation temperature."""
+    from types import SimpleNamespace
+
+    from megatron_grpo.forward import completion_scores, pack
+    from megatron_grpo.rollout import Rollout, Rollouts
+    from megatron_grpo.rollout.parity import ProbeBatch
+    from megatron_grpo.setup import TrainContext
+
+    class Engine:
+        def generate(self, prompts, n, sampling):
+            assert sampling.temperature == 1.0 and sampling.seed is not None
+            return Rollouts([Rollout(i, p, [7, 8, 9] if i else [], [-1.0] * (3 if i else 0), "stop", 0)
+                             for i, p in enumerate(prompts)])
+
+    probe = ProbeBatch.sampled(Engine(), [[1, 2], [3, 4]], 8, seed=1)
+    assert probe.sequences == [[3, 4, 7, 8, 9]] and probe.prompt_lens == [2]  # the empty completion dropped
+    st = _stepper(tiny_dense, "generation.temperature=0.7")
+    ctx = SimpleNamespace(stepper=st, pad_id=0)
+    scores = TrainContext.trainer_scores(ctx, torch.float32)(probe)
+    packed = pack(probe.sequences, probe.prompt_lens, 0)
+    t1 = completion_scores(st.lowp_log_probs(packed, torch.float32, temperature=1.0), packed)
+    t07 = completion_scores(st.lowp_log_probs(packed, torch.float32), packed)
+    assert scores == t1 and max(abs(a - b) for a, b in zip(t1[0], t07[0])) > 1e-3
+    assert not math.isnan(scores[0][0])
