@@ -135,7 +135,7 @@ def ratio_scatter(dump: dict):
     old, lp, sh = dump["old_log_probs"], dump["log_probs"], dump["shadow_log_probs"]
     clean = [math.exp(max(min(s - o, 20), -20)) for s, o in zip(sh, old)]
     actual = [math.exp(max(min(a - o, 20), -20)) for a, o in zip(lp, old)]
-    lo, hi = 1 - dump["ratio_clip_min"], 1 + dump["ratio_clip_max"]
+    lo, hi = max(0.0, 1 - dump["ratio_clip_min"]), 1 + dump["ratio_clip_max"]
     fig, ax = plt.subplots(figsize=(5, 5))
     ax.scatter(clean, actual, s=4, alpha=0.5, color="C0", label="tokens")
     for v in (lo, hi):
