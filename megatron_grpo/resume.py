@@ -50,7 +50,8 @@ def save_checkpoint(trainer) -> str:
         torch.save({"step": trainer.step, "version": trainer.version, "data_position": ctx.sampler.position,
                     "dropped_stale": trainer.gate.dropped, "adam_step": opt.adam_step(),
                     "scaler": opt.scaler.state_dict() if opt.scaler else None, "rng": rngs,
-                    "consecutive_skips": trainer.consecutive_skips}, os.path.join(tmp, ckpt.STATE_FILE))
+                    "consecutive_skips": trainer.consecutive_skips, "parity": _parity_state(trainer)},
+                   os.path.join(tmp, ckpt.STATE_FILE))
         final = ckpt.finalize_dir(tmp, root, trainer.step, cfg.keep_last_n)
         logger.info("saved checkpoint %s", final)
     dist.barrier()
@@ -91,6 +92,24 @@ def load_checkpoint(trainer, path: str) -> None:
     trainer.step, trainer.version = state["step"], state["version"]
     trainer.gate.dropped, trainer.consecutive_skips = state["dropped_stale"], state["consecutive_skips"]
     ctx.sampler.position = state["data_position"]
+    _restore_parity(trainer, state.get("parity"))
     rngs = state["rng"]
     ckpt.set_rng_state(rngs[ctx.rank] if ctx.rank < len(rngs) else rngs[0])
     logger.info("resumed from %s (step %d, policy version %d)", path, trainer.step, trainer.version)
+
+
+def _parity_state(trainer) -> Optional[dict]:
+    """The parity probe's sequences and baseline (plain lists / floats), so a resumed run keeps
+    comparing against the first probe of the run."""
+    if trainer.probe is None:
+        return None
+    return {"sequences": trainer.probe.sequences, "prompt_lens": trainer.probe.prompt_lens,
+            "baseline": trainer.parity_baseline}
+
+
+def _restore_parity(trainer, state: Optional[dict]) -> None:
+    from megatron_grpo.rollout.parity import ProbeBatch
+
+    if state:
+        trainer.probe = ProbeBatch(state["sequences"], state["prompt_lens"])
+        trainer.parity_baseline = state["baseline"]

@@ -25,8 +25,18 @@ def _batch(seed=0, beta_scale=0.3, alpha_scale=0.1):
     return log_probs, old, shadow, adv, mask, ref
 
 
-def _ref_per_token(lp, old, shadow, adv, cfg):
-    """Plain formulas from the issue text."""
+def _edge_batch(seed=0, beta_scale=0.3):
+    """As ``_batch`` with the edge cases the loss must survive: A == 0 rows (an all-equal reward
+    group) and a row without any valid token."""
+    lp, old, shadow, adv, mask, _ = _batch(seed, beta_scale=beta_scale)
+    adv, mask = adv.clone(), mask.clone()
+    adv[1] = 0.0
+    mask[4] = False
+    return lp, old, shadow, adv, mask
+
+
+def _ref_per_token(lp, old, shadow, adv, cfg, mask):
+    """Plain formulas of every family (docstrings of ``loss/clips.py``)."""
     a = adv[:, None].expand_as(lp)
     if cfg.ratio == "train":
         r = torch.exp(lp - old)
@@ -34,31 +44,48 @@ def _ref_per_token(lp, old, shadow, adv, cfg):
         r = torch.exp(shadow - old) * torch.exp(lp - lp.detach())
     else:
         r = torch.exp(lp - lp.detach())
-    clipped = torch.clamp(r, 1 - cfg.ratio_clip_min, 1 + cfg.ratio_clip_max)
+    lo, hi = max(0.0, 1 - cfg.ratio_clip_min), 1 + cfg.ratio_clip_max
     if cfg.clip == "ppo":
-        return -torch.min(r * a, clipped * a)
+        loss = -torch.min(r * a, torch.clamp(r, lo, hi) * a)
+        return loss if cfg.ratio_clip_c is None else torch.where(a < 0, torch.min(loss, -a * cfg.ratio_clip_c), loss)
     if cfg.clip == "none":
         return -r * a
-    w = torch.min(r * a, clipped * a).detach()
-    return -w * lp, w
+    if cfg.clip == "gspo":
+        m = mask.float()
+        s = torch.exp((torch.log(r.detach()) * m).sum(-1) / m.sum(-1).clamp(min=1))
+        s_tok = s[:, None] * torch.exp(lp - lp.detach())
+        return -torch.min(s_tok * a, torch.clamp(s_tok, lo, hi) * a)
+    if cfg.clip == "cispo":
+        return -torch.clamp(r.detach(), lo, hi) * a * lp
+    if cfg.clip == "sapo":
+        tau = torch.where(a > 0, torch.full_like(a, cfg.sapo_tau_pos), torch.full_like(a, cfg.sapo_tau_neg))
+        return -a * torch.sigmoid(tau * (r - 1)) * 4 / tau
+    w = torch.min(r * a, torch.clamp(r, lo, hi) * a).detach()
+    if cfg.clip == "detach_center":
+        w = w - w[mask].mean()
+    return -w * lp
 
 
 def _ref_loss(lp, old, shadow, adv, mask, cfg):
-    out = _ref_per_token(lp, old, shadow, adv, cfg)
-    if cfg.clip in ("detach", "detach_center"):
-        per_tok, w = out
-        if cfg.clip == "detach_center":
-            per_tok = -(w - w[mask].mean()) * lp
-    else:
-        per_tok = out
+    per_tok = _ref_per_token(lp, old, shadow, adv, cfg, mask)
+    if cfg.aggregation == "seq_mean_token_mean":
+        m = mask.float()
+        return ((per_tok * m).sum(-1) / m.sum(-1).clamp(min=1)).sum() / mask.any(-1).sum()
     return per_tok[mask].sum() / mask.sum()
 
 
+FAMILIES = {"ppo": {}, "ppo-dual": dict(ratio_clip_c=1.5), "none": {}, "detach": {}, "detach_center": {},
+            "gspo": dict(aggregation="seq_mean_token_mean"), "cispo": {}, "sapo": {}}
+
+
 @pytest.mark.parametrize("ratio", ["train", "shadow", "one"])
-@pytest.mark.parametrize("clip", ["ppo", "none", "detach", "detach_center"])
-def test_loss_value_and_gradient_match_reference(ratio, clip):
-    lp, old, shadow, adv, mask, _ = _batch()
-    cfg = LossConfig(ratio=ratio, clip=clip)
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_loss_value_and_gradient_match_reference(ratio, family):
+    """Every family against its plain formula, eps_low != eps_high, with A == 0 rows and an
+    empty row, gradients by autograd."""
+    lp, old, shadow, adv, mask = _edge_batch()
+    cfg = LossConfig(ratio=ratio, clip=family.split("-")[0], ratio_clip_min=0.15, ratio_clip_max=0.25,
+                     **FAMILIES[family])
     ours_lp = lp.clone().requires_grad_(True)
     ref_lp = lp.clone().requires_grad_(True)
     loss, metrics = policy_loss(ours_lp, old, adv, mask, cfg, shadow_log_probs=shadow)
@@ -68,6 +95,9 @@ def test_loss_value_and_gradient_match_reference(ratio, clip):
     ref.backward()
     torch.testing.assert_close(ours_lp.grad, ref_lp.grad, atol=1e-7, rtol=1e-5)
     torch.testing.assert_close(metrics["loss/policy"], ref.detach(), atol=1e-6, rtol=1e-6)
+    assert torch.equal(ours_lp.grad[4], torch.zeros(T))  # the empty row
+    if family != "detach_center":  # centring gives A == 0 tokens the weight -mu_W
+        assert torch.equal(ours_lp.grad[1], torch.zeros(T))
 
 
 def test_ratio_values():
@@ -94,52 +124,92 @@ def test_aggregations(aggregation):
     torch.testing.assert_close(loss, expected, atol=1e-6, rtol=1e-6)
 
 
-def _ref_correction_weight(name, log_ratio, mask, cap=1.5, low=0.7, high=1.3, seq_low=0.8, seq_high=1.25):
-    """Plain formulas: r = pi_proximal / pi_generator per token."""
-    r = torch.exp(log_ratio)
-    band = ((r >= low) & (r <= high)).float()
-    if name == "tis":
-        return torch.minimum(r, torch.full_like(r, cap))
-    if name == "icepop":
-        return r * band
-    if name == "token_k1":
-        return band
-    geo = torch.exp((log_ratio * mask).sum(-1) / mask.sum(-1))
-    keep = ((geo >= seq_low) & (geo <= seq_high)).float()
-    return keep[:, None] * torch.minimum(r, torch.full_like(r, cap))
+CORR = dict(tis_cap=1.5, icepop_low=0.7, icepop_high=1.3, seq_mask_low=0.8, seq_mask_high=1.25, rs_low=0.6,
+            rs_high=1.5, rs_threshold=0.05)
+
+
+def _ref_correction(name, lr, mask, c=CORR):
+    """Plain formulas, r = pi_proximal / pi_generator: ``(weight, raw)``."""
+    lr, m = lr.clamp(-20, 20), mask.float()
+    r = torch.exp(lr)
+    s = torch.exp(((lr * m).sum(-1)).clamp(-20, 20))[:, None].expand_as(r)
+    geo = torch.exp((lr * m).sum(-1) / m.sum(-1).clamp(min=1))[:, None]
+    one = torch.ones_like(r)
+    table = {
+        "tis": (torch.minimum(r, c["tis_cap"] * one), r),
+        "seq_tis": (torch.minimum(s, c["tis_cap"] * one), s),
+        "icepop": (r * ((r >= c["icepop_low"]) & (r <= c["icepop_high"])), r),
+        "mis": (r * (r <= c["tis_cap"]), r),
+        "seq_mis": (s * (s <= c["tis_cap"]), s),
+        "seq_mask_tis": (r * ((geo >= c["seq_mask_low"]) & (geo <= c["seq_mask_high"])), r),
+    }
+    if name in table:
+        return table[name]
+    level, kind = ("token", name[-2:]) if name.startswith("token") else (name.split("_")[1], name[-2:])
+    stat = {"k1": -lr, "k2": 0.5 * lr ** 2, "k3": torch.exp(lr) - 1 - lr}[kind]
+    if level == "sum":
+        stat = (stat * m).sum(-1, keepdim=True)
+    elif level == "mean":
+        stat = (stat * m).sum(-1, keepdim=True) / m.sum(-1, keepdim=True).clamp(min=1)
+    elif level == "max":
+        stat = torch.where(m > 0, stat, torch.full_like(stat, -1e30)).amax(-1, keepdim=True)
+    if kind == "k1":
+        keep = (stat >= math.log(c["rs_low"])) & (stat <= math.log(c["rs_high"]))
+    else:
+        keep = stat <= c["rs_threshold"]
+    return keep.expand_as(r).float(), one
+
+
+ALL_CORRECTIONS = ["tis", "seq_tis", "icepop", "mis", "seq_mis", "seq_mask_tis", "token_k1", "token_k2",
+                   "token_k3", "seq_sum_k1", "seq_sum_k2", "seq_sum_k3", "seq_mean_k1", "seq_mean_k2",
+                   "seq_mean_k3", "seq_max_k2", "seq_max_k3"]
+
+
+def test_every_registered_correction_is_tested():
+    from megatron_grpo.loss import CORRECTIONS
+
+    assert sorted(CORRECTIONS.names()) == sorted(ALL_CORRECTIONS)
 
 
 @pytest.mark.parametrize("mode", ["decoupled", "bypass"])
-@pytest.mark.parametrize("correction", ["tis", "icepop", "token_k1", "seq_mask_tis"])
+@pytest.mark.parametrize("correction", ALL_CORRECTIONS + ["tis,seq_mean_k3"])
 def test_corrections_apply_the_importance_weight_once(correction, mode):
     """Decoupled: PPO ratio against the proximal (trainer's own, detached) log-probs, times the
     truncated / masked IS weight proximal vs generator. Bypass: PPO ratio against the generator,
-    times the correction's mask only. Never r * w(r) (the ratio counted twice)."""
-    if correction == "tis" and mode == "bypass":
+    times the correction's mask only. Never r * w(r) (the ratio counted twice). eps_low !=
+    eps_high, A == 0 rows and an empty row included."""
+    if correction in ("tis", "seq_tis") and mode == "bypass":
         with pytest.raises(ValueError, match="correction_mode=bypass has no effect"):
-            LossConfig(correction="tis", correction_mode="bypass")
+            LossConfig(correction=correction, correction_mode="bypass")
         return
-    lp, old, shadow, adv, mask, _ = _batch(beta_scale=0.5)
-    cfg = LossConfig(ratio="train", clip="ppo", correction=correction, correction_mode=mode, tis_cap=1.5,
-                     icepop_low=0.7, icepop_high=1.3, seq_mask_low=0.8, seq_mask_high=1.25)
+    lp, old, shadow, adv, mask = _edge_batch(beta_scale=0.3)
+    cfg = LossConfig(ratio="train", clip="ppo", correction=correction, correction_mode=mode, ratio_clip_min=0.1,
+                     ratio_clip_max=0.3, **CORR)
     ours_lp, ref_lp = lp.clone().requires_grad_(True), lp.clone().requires_grad_(True)
     loss, metrics = policy_loss(ours_lp, old, adv, mask, cfg)
-    w = _ref_correction_weight(correction, lp - old, mask.float())
+    w, raw = torch.ones_like(lp), torch.ones_like(lp)
+    for name in correction.split(","):
+        w_i, raw_i = _ref_correction(name, lp - old, mask)
+        w, raw = w * w_i, raw * raw_i
     a = adv[:, None]
     if mode == "decoupled":
         r = torch.exp(ref_lp - ref_lp.detach())  # value 1: one update per rollout batch
     else:
         r, w = torch.exp(ref_lp - old), (w > 0).float()
-    ref = (-torch.min(r * a, r.clamp(0.8, 1.2) * a) * w)[mask].sum() / mask.sum()
+    ref = (-torch.min(r * a, r.clamp(0.9, 1.3) * a) * w)[mask].sum() / mask.sum()
     torch.testing.assert_close(loss, ref, atol=1e-6, rtol=1e-6)
     loss.backward()
     ref.backward()
     torch.testing.assert_close(ours_lp.grad, ref_lp.grad, atol=1e-7, rtol=1e-5)
-    torch.testing.assert_close(metrics["correction/weight_mean"], w[mask].mean(), atol=1e-6, rtol=1e-6)
-    if correction != "tis":
-        assert 0 < metrics["correction/masked_fraction"] < 1
-    if mode == "decoupled":  # the ratio the clip sees is 1: nothing is clipped
-        assert metrics["clip/region_fraction"] == 0
+    expected = {"correction/weight_mean": w[mask].mean(), "correction/masked_fraction": (w[mask] == 0).float().mean(),
+                "correction/raw_weight_mean": raw[mask].mean(), "correction/raw_weight_max": raw[mask].max(),
+                "correction/raw_weight_min": raw[mask].min(),
+                "correction/seq_masked_fraction": ((w == 0) & mask).any(-1).sum() / mask.any(-1).sum()}
+    if mode == "decoupled":
+        expected["correction/truncated_fraction"] = ((w > 0) & (w < raw))[mask].float().mean()
+        assert metrics["clip/region_fraction"] == 0  # the ratio the clip sees is 1: nothing is clipped
+    for name, value in expected.items():
+        assert metrics[name].item() == pytest.approx(value.item(), abs=1e-6, rel=1e-6), name
 
 
 def test_decoupled_shadow_ratio_weights_by_the_clean_ratio():
@@ -296,7 +366,7 @@ def test_config_validation_names_the_key():
 def test_registries_refuse_duplicates_and_list_names():
     with pytest.raises(ValueError, match="already registered"):
         RATIO_SOURCES.register("train")(lambda *a: None)
-    with pytest.raises(ValueError, match="valid choices: detach, detach_center, none, ppo"):
+    with pytest.raises(ValueError, match="valid choices: cispo, detach, detach_center, gspo, none, ppo, sapo"):
         CLIP_VARIANTS.get("nope")
     reg = Registry("thing")
     reg.add("lazy", "math:sqrt")
@@ -346,7 +416,12 @@ def test_all_equal_reward_groups_get_exactly_zero_advantage(value, estimator):
 
 CONFIGS = [LossConfig(), LossConfig(ratio="shadow", aggregation="seq_mean_token_mean"),
            LossConfig(clip="none", correction="icepop", icepop_low=0.8, icepop_high=1.2),
-           LossConfig(clip="detach_center"), LossConfig(ratio="shadow", clip="detach_center")]
+           LossConfig(clip="detach_center"), LossConfig(ratio="shadow", clip="detach_center"),
+           LossConfig(clip="gspo", aggregation="seq_mean_token_mean", ratio_clip_min=0.05, ratio_clip_max=0.1),
+           LossConfig(clip="cispo", ratio_clip_min=0.1), LossConfig(clip="sapo"),
+           LossConfig(ratio_clip_c=1.5, correction="tis,seq_mean_k3,seq_max_k2", rs_threshold=0.5),
+           LossConfig(correction="seq_mis,seq_mask_tis", correction_mode="bypass", seq_mask_low=0.5,
+                      seq_mask_high=2.0)]
 
 
 def _dp_worker_one(cfg_index, rank, group, empty_rows=False):
@@ -472,3 +547,92 @@ def test_large_eps_and_log_ratios_beyond_the_clamp_keep_their_gradient():
         zero = ((leaf.grad == 0) & mask).sum().item() / mask.sum().item()
         assert metrics["clip/zero_grad_fraction"].item() == pytest.approx(zero, abs=1e-7)
     assert metrics["clip/zero_grad_fraction"] == 0  # eps = 10: nothing in [-9, 11] ... every token keeps its gradient
+
+
+def _constructed(beta_of_row):
+    """alpha = 0 (shadow = old), beta set per row: rows 0-3 with A > 0, rows 4-7 with A < 0."""
+    rows = len(beta_of_row)
+    old = torch.full((rows, 4), -2.0)
+    beta = torch.tensor(beta_of_row, dtype=torch.float32)
+    lp = old + beta
+    adv = torch.tensor([1.0] * (rows // 2) + [-1.0] * (rows // 2))
+    return lp, old, old.clone(), adv, torch.ones(rows, 4, dtype=torch.bool)
+
+
+B_UP, B_DN = 0.3, -0.3
+TOKEN_ROWS = [[B_UP] * 4, [B_DN] * 4, [0.0] * 4, [B_UP, B_DN, 0.0, 0.0]] * 2
+SAPO_ROWS = [[1.5] * 4, [-1.5] * 4, [0.0] * 4, [1.5, -1.5, 0.0, 0.0]] * 2
+
+
+@pytest.mark.parametrize("family, rows, expected", [
+    # token level, eps 0.2: |beta| = 0.3 leaves the region (10 tokens per half); the clean ratio
+    # (alpha = 0) never does. ppo zeroes A>0 & r>1.2 (row 0, row 3's first token) and A<0 & r<0.8
+    # (row 5, row 7's second token)
+    ("ppo", TOKEN_ROWS, dict(phantom_region=20 / 32, phantom_zero_grad=10 / 32, legit_zero_grad=0.0,
+                             phantom_truncated=0.0)),
+    # dual clip c = 1.3 also zeroes A<0 & r = 1.35 > c (rows 4, 7's first token)
+    ("ppo-dual", TOKEN_ROWS, dict(phantom_region=20 / 32, phantom_zero_grad=15 / 32, phantom_truncated=0.0)),
+    # sequence level: the sequence ratio of rows 0/1 is 1.35 / 0.74; rows 2/3 average to 1: never gated
+    ("gspo", TOKEN_ROWS, dict(phantom_region=16 / 32, phantom_zero_grad=8 / 32, phantom_truncated=0.0)),
+    # cispo truncates the weight of every token outside the region, zeroes none
+    ("cispo", TOKEN_ROWS, dict(phantom_region=20 / 32, phantom_zero_grad=0.0, phantom_truncated=20 / 32)),
+    # sapo: g(r) = 4 sigma(1 - sigma) < 1/2 only for r = e^1.5 (x = 3.5, g = 0.1); e^-1.5 gives g = 0.86
+    ("sapo", SAPO_ROWS, dict(phantom_region=20 / 32, phantom_zero_grad=0.0, phantom_truncated=10 / 32)),
+])
+def test_phantom_metrics_from_each_familys_gate_match_hand_counts(family, rows, expected):
+    lp, old, shadow, adv, mask = _constructed(rows)
+    cfg = LossConfig(clip=family.split("-")[0], ratio_clip_c=1.3 if family == "ppo-dual" else None)
+    leaf = lp.clone().requires_grad_(True)
+    loss, metrics = policy_loss(leaf, old, adv, mask, cfg, shadow_log_probs=shadow)
+    for name, value in expected.items():
+        kind, _, what = name.partition("_")
+        key = f"clip/{kind}_{what}_fraction"
+        assert metrics[key].item() == pytest.approx(value, abs=1e-7), key
+    assert metrics["clip/legit_region_fraction"] == 0 and metrics["clip/rescued_region_fraction"] == 0
+    loss.backward()  # the declared zero-gradient tokens are exactly autograd's zeros
+    assert metrics["clip/zero_grad_fraction"].item() == pytest.approx((leaf.grad == 0).float().mean().item())
+    _, clean = policy_loss(lp, old, adv, mask, LossConfig(clip=cfg.clip, ratio="shadow",
+                                                          ratio_clip_c=cfg.ratio_clip_c), shadow_log_probs=shadow)
+    assert clean["clip/phantom_zero_grad_fraction"] == 0 and clean["clip/phantom_truncated_fraction"] == 0
+
+
+@pytest.mark.parametrize("family", ["ppo-dual", "gspo", "cispo", "sapo"])
+def test_zero_grad_fraction_equals_autograd_zeros_for_every_family(family):
+    lp, old, shadow, adv, mask = _edge_batch(beta_scale=0.6)
+    adv[1] = 0.5
+    cfg = LossConfig(clip=family.split("-")[0], ratio_clip_c=1.5 if family == "ppo-dual" else None,
+                     ratio_clip_min=0.1, ratio_clip_max=0.2)
+    leaf = lp.clone().requires_grad_(True)
+    loss, metrics = policy_loss(leaf, old, adv, mask, cfg, shadow_log_probs=shadow)
+    loss.backward()
+    zero = ((leaf.grad == 0) & mask).sum().item() / mask.sum().item()
+    assert metrics["clip/zero_grad_fraction"].item() == pytest.approx(zero, abs=1e-7)
+    if family in ("ppo-dual", "gspo"):
+        assert zero > 0
+
+
+def test_peer_mismatch_metrics_match_their_definitions():
+    """NeMo-RL's and verl's names, from the trainer's own log-probs (train) and the generator's."""
+    lp, old, shadow, adv, mask = _edge_batch(beta_scale=0.4)
+    _, m = policy_loss(lp, old, adv, mask, LossConfig(), shadow_log_probs=shadow)
+    v = mask
+    lr = lp - old
+    rows = mask.any(-1)
+    seq_lr = (lr * mask).sum(-1)[rows]
+    n_tok = mask.sum(-1)[rows]
+    expected = {
+        "compat/token_mult_prob_error": torch.exp((old - lp).abs())[v].mean(),
+        "compat/gen_kl_error": (torch.exp(lr) - 1 - lr)[v].mean(),
+        "compat/sampling_importance_ratio": torch.exp(lr)[v].mean(),
+        "compat/rollout_corr/kl": (old - lp)[v].mean(),
+        "compat/rollout_corr/k3_kl": (torch.exp(lr) - 1 - lr)[v].mean(),
+        "compat/rollout_corr/chi2_token": (torch.exp(lr) ** 2)[v].mean() - 1,
+        "compat/rollout_corr/chi2_seq": torch.exp(2 * seq_lr).mean() - 1,
+        "compat/rollout_corr/log_ppl_abs_diff": ((old * mask).sum(-1)[rows] / n_tok
+                                                  - (lp * mask).sum(-1)[rows] / n_tok).abs().mean(),
+    }
+    for name, value in expected.items():
+        assert m[name].item() == pytest.approx(value.item(), rel=1e-5, abs=1e-6), name
+    _, tis = policy_loss(lp, old, adv, mask, LossConfig(correction="tis", tis_cap=1.2), shadow_log_probs=shadow)
+    assert tis["compat/sampling_importance_ratio"].item() == pytest.approx(  # after truncation, as NeMo-RL
+        torch.exp(lr).clamp(max=1.2)[v].mean().item(), rel=1e-6)

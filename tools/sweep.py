@@ -7,6 +7,7 @@ Resumable: a run whose ``metrics.jsonl`` already has all its steps is not redone
 
     python tools/sweep.py --grid tiny-phantom --out runs/sweep-tiny --seeds 0 1 2
     python tools/sweep.py --grid tiny-moe-routing --out runs/moe-routing --seeds 0 1 --steps 10
+    python tools/sweep.py --grid loss-families --out runs/loss-families --seeds 0 --steps 10
     python tools/sweep.py --grid writeup --out runs/sweep-0.6b --nproc 8      # on a GPU node
 """
 
@@ -49,11 +50,20 @@ GRIDS: Dict[str, Dict[str, List[str]]] = {
         "bf16-matched": _BF16_MATCHED,
         "bf16-matched-R2": _BF16_MATCHED + ["policy.megatron_cfg.moe_routing_replay=R2"],
     },
+    # policy-loss families at the tiny-phantom eps, fp32 trainer vs bf16 generator and bf16-matched:
+    # which families' gates does the precision gap trip (phantom zeroed / truncated fractions)?
+    "loss-families": {
+        f"{family}-{precision}": loss + prec
+        for family, loss in (("ppo", []), ("gspo", ["loss_fn.clip=gspo", "loss_fn.aggregation=seq_mean_token_mean"]),
+                             ("cispo", ["loss_fn.clip=cispo"]), ("dual-clip-ppo", ["loss_fn.ratio_clip_c=3.0"]))
+        for precision, prec in (("fp32-vs-bf16", _FP32_VS_BF16), ("bf16-matched", _BF16_MATCHED[:2]))
+    },
     "writeup": {name: [] for name in ("A", "B", "F", "G", "noclip", "detach", "detach-center", "fp16")},
 }
-RECIPES = {"tiny-phantom": _TINY, "tiny-moe-routing": "recipes/grpo-tiny-moe-ep2-cpu.yaml"}
+RECIPES = {"tiny-phantom": _TINY, "loss-families": _TINY, "tiny-moe-routing": "recipes/grpo-tiny-moe-ep2-cpu.yaml"}
 COLUMNS = ["run", "seeds", "final_reward", "best_reward", "steps_to_threshold", "beta_abs_mean",
-           "phantom_fraction_steps_1_5", "phantom_zero_grad_steps_1_5", "deployed_improvement_mean", "kl_rollout_max",
+           "phantom_fraction_steps_1_5", "phantom_zero_grad_steps_1_5", "phantom_truncated_steps_1_5",
+           "zero_grad_fraction_mean", "deployed_improvement_mean", "kl_rollout_max",
            "route_mismatch_fraction", "tokens_any_mismatch", "beta_abs_mean_route_mismatch"]
 
 
@@ -110,6 +120,9 @@ def summarize_seed(rows: List[dict], threshold: float) -> Dict[str, float]:
         "phantom_fraction_steps_1_5": mean(_series([r for r in rows if r["step"] <= 5], "clip/phantom_region_fraction")),
         "phantom_zero_grad_steps_1_5": mean(_series([r for r in rows if r["step"] <= 5],
                                                     "clip/phantom_zero_grad_fraction")),
+        "phantom_truncated_steps_1_5": mean(_series([r for r in rows if r["step"] <= 5],
+                                                    "clip/phantom_truncated_fraction")),
+        "zero_grad_fraction_mean": mean(_series(rows, "clip/zero_grad_fraction")),
         "deployed_improvement_mean": mean(_series(rows, "policy/deployed_improvement")),
         "kl_rollout_max": max(_series(rows, "policy/kl_rollout"), default=float("nan")),
         "route_mismatch_fraction": mean(_series(rows, "moe/route_mismatch_fraction")),

@@ -17,8 +17,11 @@ class LossConfig:
     ``one`` (REINFORCE: value 1). Any name registered in ``megatron_grpo.loss.ratios``."""
 
     clip: str = "ppo"
-    """Surrogate: ``ppo`` (-min(rA, clip(r)A)), ``none`` (-rA), ``detach`` (-W.detach()*logp
-    with W = min(rA, clip(r)A)) or ``detach_center`` (W minus its token mean)."""
+    """Policy-loss family: ``ppo`` (-min(rA, clip(r)A); dual clip with ``ratio_clip_c``), ``none``
+    (-rA), ``detach`` (-W.detach()*logp with W = min(rA, clip(r)A)), ``detach_center`` (W minus
+    its global token mean), ``gspo`` (sequence ratio exp(mean_t log r), clipped per sequence),
+    ``cispo`` (-sg(clip(r)) * A * logp) or ``sapo`` (soft sigmoid gate). Any name registered in
+    ``megatron_grpo.loss.clips``."""
 
     ratio_clip_min: float = 0.2
     """eps_low: the ratio is clipped below at max(0, 1 - ratio_clip_min); >= 1 leaves it
@@ -27,16 +30,28 @@ class LossConfig:
     ratio_clip_max: float = 0.2
     """eps_high: the ratio is clipped above at 1 + ratio_clip_max (DAPO's clip-higher if larger)."""
 
+    ratio_clip_c: Optional[float] = None
+    """Dual clip (``ppo`` only; verl's clip_ratio_c, NeMo-RL's ratio_clip_c): the loss of A < 0
+    tokens is bounded by -A * c, so a huge ratio cannot blow it up; null = off; must be > 1."""
+
+    sapo_tau_pos: float = 1.0
+    """``sapo``: gate temperature for A > 0 tokens (verl's tau_pos)."""
+
+    sapo_tau_neg: float = 1.05
+    """``sapo``: gate temperature for A <= 0 tokens (verl's tau_neg)."""
+
     aggregation: str = "token_mean"
     """How per-token losses become one number: ``token_mean`` (over all valid tokens of
     the global batch), ``seq_mean_token_mean`` or ``seq_mean_token_sum``."""
 
     correction: Optional[str] = None
-    """Off-policy correction from r = pi_proximal / pi_generator, computed without gradient:
-    None, ``tis`` (truncated importance sampling, weight min(r, tis_cap)), ``icepop`` (weight r
-    for tokens with r in [icepop_low, icepop_high], 0 outside), ``token_k1`` (the same band as
-    a pure 0/1 mask) or ``seq_mask_tis`` (drop whole sequences whose geometric-mean ratio is
-    outside [seq_mask_low, seq_mask_high], TIS-weight the tokens of the others)."""
+    """Rollout correction from r = pi_proximal / pi_generator, without gradient; several names,
+    comma-separated, multiply. Importance weights: ``tis`` (min(r_t, tis_cap)), ``seq_tis``
+    (min(s_i, tis_cap), s_i = prod_t r_t), ``mis`` / ``seq_mis`` (r_t / s_i, 0 above tis_cap),
+    ``icepop`` (r_t inside [icepop_low, icepop_high], 0 outside), ``seq_mask_tis`` (NeMo-RL: r_t,
+    whole sequences dropped whose geometric-mean ratio is outside [seq_mask_low, seq_mask_high]).
+    Rejection (verl's rollout_rs, a 0/1 mask): ``token_k{1,2,3}``, ``seq_sum_k{1,2,3}``,
+    ``seq_mean_k{1,2,3}``, ``seq_max_k{2,3}``. null = none."""
 
     correction_mode: str = "decoupled"
     """How a correction combines with the PPO ratio (ignored without a correction, where the
@@ -61,6 +76,15 @@ class LossConfig:
     seq_mask_high: float = 1.001
     """``seq_mask_tis`` keeps sequences whose geometric-mean ratio is <= seq_mask_high."""
 
+    rs_low: float = 0.5
+    """k1 rejection keeps k1 = log(pi_rollout / pi_proximal) >= log(rs_low) (verl's lower bound)."""
+
+    rs_high: float = 2.0
+    """k1 rejection keeps k1 <= log(rs_high) (verl's upper bound)."""
+
+    rs_threshold: float = 0.01
+    """k2 / k3 rejection keeps statistics <= rs_threshold (verl's K3-RS preset: 0.01)."""
+
     reference_policy_kl_penalty: float = 0.0
     """Coefficient of the k3 KL(current || reference) penalty; needs reference log-probs
     when > 0 (NeMo-RL's key name)."""
@@ -77,21 +101,38 @@ class LossConfig:
             _bad("clip", self.clip, clips.CLIP_VARIANTS.names())
         if self.aggregation not in aggregation.AGGREGATIONS:
             _bad("aggregation", self.aggregation, aggregation.AGGREGATIONS.names())
-        if self.correction is not None and self.correction not in corrections.CORRECTIONS:
-            _bad("correction", self.correction, ["null"] + corrections.CORRECTIONS.names())
+        self._check_correction()
         for key in ("ratio_clip_min", "ratio_clip_max", "tis_cap", "reference_policy_kl_penalty"):
             if getattr(self, key) < 0:
                 raise ValueError(f"loss_fn.{key} must be >= 0, got {getattr(self, key)}")
-        if self.correction_mode not in ("decoupled", "bypass"):
-            raise ValueError(f"loss_fn.correction_mode must be decoupled or bypass, got {self.correction_mode!r}")
-        if self.correction_mode == "bypass" and self.correction in corrections.WEIGHT_ONLY:
-            raise ValueError(f"loss_fn.correction={self.correction} with loss_fn.correction_mode=bypass has no effect: "
-                             f"the PPO ratio against the generator already carries the importance weight and "
-                             f"{self.correction} masks nothing; use loss_fn.correction_mode=decoupled")
+        if self.ratio_clip_c is not None and self.ratio_clip_c <= 1:
+            raise ValueError(f"loss_fn.ratio_clip_c (dual clip) must be > 1 or null, got {self.ratio_clip_c}")
+        if self.sapo_tau_pos <= 0 or self.sapo_tau_neg <= 0:
+            raise ValueError("loss_fn.sapo_tau_pos and loss_fn.sapo_tau_neg must be > 0")
+        if not 0 < self.rs_low <= self.rs_high or self.rs_threshold < 0:
+            raise ValueError(f"loss_fn.rs_low/rs_high/rs_threshold must satisfy 0 < rs_low <= rs_high and "
+                             f"rs_threshold >= 0, got {self.rs_low}, {self.rs_high}, {self.rs_threshold}")
         if not 0 <= self.icepop_low <= self.icepop_high:
             raise ValueError(f"loss_fn.icepop_low/icepop_high must satisfy 0 <= low <= high, got {self.icepop_low}, {self.icepop_high}")
         if not 0 <= self.seq_mask_low <= self.seq_mask_high:
             raise ValueError(f"loss_fn.seq_mask_low/seq_mask_high must satisfy 0 <= low <= high, got {self.seq_mask_low}, {self.seq_mask_high}")
+
+
+    def _check_correction(self) -> None:
+        from megatron_grpo.loss import corrections
+
+        if self.correction_mode not in ("decoupled", "bypass"):
+            raise ValueError(f"loss_fn.correction_mode must be decoupled or bypass, got {self.correction_mode!r}")
+        if self.correction is None:
+            return
+        names = corrections.names_of(self.correction)
+        for name in names or [self.correction]:
+            if name not in corrections.CORRECTIONS:
+                _bad("correction", name, ["null"] + corrections.CORRECTIONS.names())
+        if self.correction_mode == "bypass" and set(names) <= corrections.WEIGHT_ONLY:
+            raise ValueError(f"loss_fn.correction={self.correction} with loss_fn.correction_mode=bypass has no effect: "
+                             f"the PPO ratio against the generator already carries the importance weight and "
+                             f"{self.correction} masks nothing; use loss_fn.correction_mode=decoupled")
 
 
 def _bad(key: str, value, valid) -> None:

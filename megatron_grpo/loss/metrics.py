@@ -50,21 +50,63 @@ def precision_stats(stats: StatSet, log_probs, shadow, old, adv, mask) -> None:
         stats.add_sum(f"n_{name}", sel.sum())
 
 
-def clip_stats(stats: StatSet, clip_variant, ratio_value, clean_ratio, adv, mask, cfg) -> None:
-    """Region and zero-gradient clip counts; phantom/legit/rescued when ``clean_ratio`` is known."""
-    region = outside_region(ratio_value, cfg)
-    zero = clip_variant.zero_grad(ratio_value, adv, cfg)
+def _gates(family, ratio_value, adv, mask, cfg):
+    """(outside the region, gradient zeroed, weight truncated) per token, at the family's level."""
+    value = family.gate_value(ratio_value, mask)
+    return outside_region(value, cfg), family.zero_grad(value, adv, cfg), family.truncated(value, adv, cfg)
+
+
+def clip_stats(stats: StatSet, family, ratio_value, clean_ratio, adv, mask, cfg) -> None:
+    """Region, zero-gradient and truncation counts from the family's declared gate (at its level:
+    a sequence-level family gates every token of a sequence together, and each counts); phantom /
+    legit / rescued when ``clean_ratio`` (the ratio without beta) is known."""
+    region, zero, trunc = _gates(family, ratio_value, adv, mask, cfg)
     stats.add_sum("clip_region", (region & mask).sum())
     stats.add_sum("clip_zero_grad", (zero & mask).sum())
+    stats.add_sum("clip_truncated", (trunc & mask).sum())
     if clean_ratio is None:
         return
-    clean_region = outside_region(clean_ratio, cfg)
-    clean_zero = clip_variant.zero_grad(clean_ratio, adv, cfg)
+    clean_region, clean_zero, clean_trunc = _gates(family, clean_ratio, adv, mask, cfg)
     stats.add_sum("clip_phantom_region", (region & ~clean_region & mask).sum())
     stats.add_sum("clip_legit_region", (region & clean_region & mask).sum())
     stats.add_sum("clip_rescued_region", (~region & clean_region & mask).sum())
     stats.add_sum("clip_phantom_zero_grad", (zero & ~clean_zero & mask).sum())
     stats.add_sum("clip_legit_zero_grad", (zero & clean_zero & mask).sum())
+    stats.add_sum("clip_phantom_truncated", (trunc & ~clean_trunc & mask).sum())
+    stats.add_sum("clip_legit_truncated", (trunc & clean_trunc & mask).sum())
+
+
+def correction_stats(stats: StatSet, weight, raw, mask) -> None:
+    """What a rollout correction did: applied weight, masked tokens and sequences, truncated
+    tokens, and the pre-truncation (raw) importance weights: mean, max, min."""
+    masked = (weight == 0) & mask
+    stats.add_sum("correction_weight", masked_sum(weight, mask))
+    stats.add_sum("correction_masked", masked.sum())
+    stats.add_sum("correction_seq_masked", masked.any(-1).sum())
+    stats.add_sum("correction_truncated", ((weight > 0) & (weight < raw) & mask).sum())
+    stats.add_sum("correction_raw", masked_sum(raw, mask))
+    stats.add_max("correction_raw_max", masked_max(raw, mask))
+    stats.add_max("correction_raw_neg_max", masked_max(-raw, mask, default=0.0))
+
+
+def compat_stats(stats: StatSet, train_lp, rollout_lp, mask, is_weight=None) -> None:
+    """Peers' trainer-vs-generator mismatch metrics from the same tensors (train = the trainer's
+    own log-probs, as NeMo-RL's prev_logprobs and verl's old_log_prob). ``is_weight``: the
+    correction's applied weight (NeMo-RL's sampling_importance_ratio is after truncation)."""
+    maskf = mask.double()
+    lr = (train_lp.detach() - rollout_lp).double().clamp(-20.0, 20.0)
+    ratio = torch.exp(lr)
+    stats.add_sum("compat_mult_prob_error", masked_sum(torch.exp(lr.abs()), mask))
+    stats.add_sum("compat_gen_kl", masked_sum(ratio - 1.0 - lr, mask))
+    stats.add_sum("compat_is_ratio", masked_sum(ratio if is_weight is None else is_weight, mask))
+    stats.add_sum("compat_k1", masked_sum(-lr, mask))
+    stats.add_sum("compat_chi2_token", masked_sum(ratio * ratio, mask))
+    rows = mask.any(-1)
+    n_tok = maskf.sum(-1).clamp(min=1.0)
+    seq_lr = (lr * maskf).sum(-1)
+    stats.add_sum("n_seqs", rows.sum())
+    stats.add_sum("compat_chi2_seq", torch.where(rows, torch.exp(2.0 * seq_lr.clamp(-20.0, 20.0)), 0.0).sum())
+    stats.add_sum("compat_log_ppl_abs_diff", torch.where(rows, (seq_lr / n_tok).abs(), 0.0).sum())
 
 
 def routing_stats(stats: StatSet, train_routes, natural_routes, ref_routes, beta, mask) -> None:
@@ -127,13 +169,19 @@ def finalize(sums: Dict[str, torch.Tensor], maxes: Dict[str, torch.Tensor]) -> D
         "clip/phantom_region_fraction": "clip_phantom_region", "clip/legit_region_fraction": "clip_legit_region",
         "clip/rescued_region_fraction": "clip_rescued_region",
         "clip/phantom_zero_grad_fraction": "clip_phantom_zero_grad",
-        "clip/legit_zero_grad_fraction": "clip_legit_zero_grad",
+        "clip/legit_zero_grad_fraction": "clip_legit_zero_grad", "clip/truncated_fraction": "clip_truncated",
+        "clip/phantom_truncated_fraction": "clip_phantom_truncated",
+        "clip/legit_truncated_fraction": "clip_legit_truncated",
         "correction/weight_mean": "correction_weight", "correction/masked_fraction": "correction_masked",
         "policy/deployed_improvement": "deployed",
     }
     for metric, key in simple.items():
         if key in sums:
             out[metric] = _safe_div(sums[key], n)
+    if "correction_raw" in sums:
+        out.update(_correction_metrics(sums, maxes, n))
+    if "compat_gen_kl" in sums:
+        out.update(_compat_metrics(sums, n))
     if "beta" in sums:
         out.update(_precision_metrics(sums, maxes, n))
     if "route_decisions" in sums:
@@ -163,6 +211,31 @@ def _precision_metrics(sums, maxes, n) -> Dict[str, torch.Tensor]:
     for name in ("common", "medium", "rare"):
         out[f"precision/beta_abs_mean_{name}"] = _safe_div(sums[f"beta_abs_{name}"], sums[f"n_{name}"])
     return out
+
+
+def _correction_metrics(sums, maxes, n) -> Dict[str, torch.Tensor]:
+    return {
+        "correction/seq_masked_fraction": _safe_div(sums["correction_seq_masked"], sums["n_seqs"]),
+        "correction/truncated_fraction": _safe_div(sums["correction_truncated"], n),
+        "correction/raw_weight_mean": _safe_div(sums["correction_raw"], n),
+        "correction/raw_weight_max": maxes["correction_raw_max"],
+        "correction/raw_weight_min": -maxes["correction_raw_neg_max"],
+    }
+
+
+def _compat_metrics(sums, n) -> Dict[str, torch.Tensor]:
+    """NeMo-RL's and verl's names (README: Loss and metric definitions)."""
+    seqs = sums["n_seqs"]
+    return {
+        "compat/token_mult_prob_error": _safe_div(sums["compat_mult_prob_error"], n),
+        "compat/gen_kl_error": _safe_div(sums["compat_gen_kl"], n),
+        "compat/sampling_importance_ratio": _safe_div(sums["compat_is_ratio"], n),
+        "compat/rollout_corr/kl": _safe_div(sums["compat_k1"], n),
+        "compat/rollout_corr/k3_kl": _safe_div(sums["compat_gen_kl"], n),
+        "compat/rollout_corr/chi2_token": _safe_div(sums["compat_chi2_token"], n) - 1.0,
+        "compat/rollout_corr/chi2_seq": _safe_div(sums["compat_chi2_seq"], seqs) - 1.0,
+        "compat/rollout_corr/log_ppl_abs_diff": _safe_div(sums["compat_log_ppl_abs_diff"], seqs),
+    }
 
 
 def _routing_metrics(sums, n) -> Dict[str, torch.Tensor]:

@@ -77,14 +77,15 @@ def policy_loss_stats(
     clip = clips.get_clip_variant(config.clip)
     if getattr(clip, "needs_center", False) and weight_center is None:
         weight_center = _global_token_mean(clips.ppo_weight(ratio.detach(), adv, config), mask, dp_group)
-    per_token = clip.loss(ratio, adv, log_probs, config, weight_center)
+    per_token = clip.loss(ratio, adv, log_probs, config, weight_center, mask)
     stats = StatSet()
     stats.add_sum("n_tokens", mask.sum())
+    weights = None
     if config.correction is not None:
-        weights = correction_weights(proximal, old_log_probs, mask, config)
+        weights, raw = correction_weights(proximal, old_log_probs, mask, config)
         per_token = per_token * weights
-        stats.add_sum("correction_weight", masked_sum(weights, mask))
-        stats.add_sum("correction_masked", ((weights == 0) & mask).sum())
+        metrics.correction_stats(stats, weights, raw, mask)
+    metrics.compat_stats(stats, log_probs, old_log_probs, mask, weights)
     if ref_log_probs is not None:
         kl_ref = metrics.k3(log_probs, ref_log_probs)
         stats.add_sum("kl_ref", masked_sum(kl_ref.detach(), mask))
@@ -119,15 +120,15 @@ def importance_ratio(log_probs, old_log_probs, shadow_log_probs, config: LossCon
     return ratios.get_ratio_source(config.ratio)(log_probs, base, shadow_log_probs), proximal
 
 
-def correction_weights(proximal, old_log_probs, mask, config: LossConfig) -> torch.Tensor:
-    """Per-token correction weights (no gradient): decoupled = the correction's IS weight of
-    proximal vs generator (truncated / masked); bypass = only its rejection mask (the PPO
-    ratio against the generator already carries the IS weight: multiplying again would count
-    it twice)."""
-    weights = corrections.get_correction(config.correction)(proximal.detach() - old_log_probs, mask, config)
+def correction_weights(proximal, old_log_probs, mask, config: LossConfig):
+    """``(weights, raw)`` per token, no gradient: decoupled = the corrections' IS weight of proximal
+    vs generator (truncated / masked); bypass = only their mask (the PPO ratio against the
+    generator already carries the IS weight: multiplying again would count it twice). ``raw`` is
+    the importance weight before truncation or masking."""
+    weights, raw = corrections.combined(config.correction, proximal.detach() - old_log_probs, mask, config)
     if config.correction_mode == "bypass":
         weights = (weights > 0).to(weights.dtype)
-    return weights.detach()
+    return weights.detach(), raw.detach()
 
 
 def _clean_ratio(shadow, old, config: LossConfig) -> torch.Tensor:
