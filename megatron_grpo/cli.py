@@ -1,4 +1,4 @@
-"""``megatron-grpo`` command line: train, make-tiny-model, parity-demo.
+"""``megatron-grpo`` command line: train, doctor, plot, report, make-tiny-model, parity-demo.
 
 Heavy imports (megatron.core, vLLM) happen inside the sub-commands, so ``--help`` and
 config validation stay fast.
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from typing import List, Optional
 
@@ -47,6 +48,48 @@ def _train(args) -> int:
     return train_main(args.recipe, args.overrides, dry_run=args.dry_run, world_size=args.world_size)
 
 
+def _doctor(args) -> int:
+    from megatron_grpo.doctor import doctor
+
+    try:
+        return max(doctor(run) for run in args.runs)
+    except FileNotFoundError as exc:
+        print(f"error: {exc}", flush=True)
+        return 2
+
+
+def _plot(args) -> int:
+    from megatron_grpo.plots import make_figures
+
+    out = args.out or os.path.join(args.runs[0], "figures")
+    for path in make_figures(args.runs, out):
+        print(path)
+    return 0
+
+
+def _report(args) -> int:
+    from megatron_grpo.plots import build_report
+
+    print(build_report(args.sweep, args.seed, args.html))
+    return 0
+
+
+def _add_diagnostics(sub) -> None:
+    doctor = sub.add_parser("doctor", help="diagnose a run's precision health from its metrics.jsonl "
+                                           "(exit 1 when a problem is found)")
+    doctor.add_argument("runs", nargs="+", metavar="RUN_DIR", help="a run's logger.log_dir")
+    doctor.set_defaults(func=_doctor)
+    plot = sub.add_parser("plot", help="figures (PNG) from one or more runs' metrics.jsonl")
+    plot.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run folders (with metrics.jsonl)")
+    plot.add_argument("--out", default=None, help="folder for the PNGs (default: RUN_DIR/figures of the first run)")
+    plot.set_defaults(func=_plot)
+    report = sub.add_parser("report", help="Markdown/HTML report of a sweep folder (tools/sweep.py's --out)")
+    report.add_argument("sweep", metavar="SWEEP_DIR")
+    report.add_argument("--seed", type=int, default=0, help="the seed whose runs are plotted")
+    report.add_argument("--html", action="store_true", help="also write report.html")
+    report.set_defaults(func=_report)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="megatron-grpo", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -56,7 +99,10 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--dry-run", action="store_true", help="print the resolved config and layout, build nothing")
     train.add_argument("--world-size", type=int, default=None,
                        help="with --dry-run: validate the layout for this many ranks (default: $WORLD_SIZE or 1)")
+    train.add_argument("--verbose", action="store_true",
+                       help="show every library's messages (by default known-harmless ones are filtered)")
     train.set_defaults(func=_train)
+    _add_diagnostics(sub)
     tiny = sub.add_parser("make-tiny-model", help="write a random-init tiny Qwen3(-MoE) HF checkpoint + tokenizer")
     tiny.add_argument("out_dir")
     tiny.add_argument("--arch", choices=["qwen3", "qwen3-moe"], default="qwen3")
@@ -70,8 +116,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    from megatron_grpo import quiet
+
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     args = build_parser().parse_args(argv)
+    quiet.install(verbose=getattr(args, "verbose", False))
     return args.func(args)
 
 

@@ -1,12 +1,14 @@
-"""Per-step metrics: one host sync, then metrics.jsonl (appended, flushed), TensorBoard, progress bar."""
+"""Per-step metrics: one host sync, then metrics.jsonl (appended, flushed), TensorBoard, progress bar,
+and optionally Weights & Biases / MLflow (imported only when chosen)."""
 
 from __future__ import annotations
 
 import json
 import math
 import os
+import pathlib
 import time
-from typing import Dict, Optional
+from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
@@ -40,10 +42,12 @@ class MetricsLogger:
     """Writes one JSON object per step (``step`` + metrics) on the logging rank."""
 
     def __init__(self, log_dir: str, *, enabled: bool, tensorboard: bool, progress_bar: bool, total_steps: int,
-                 start_step: int = 0, resumed: bool = False):
+                 start_step: int = 0, resumed: bool = False, trackers: Sequence[Any] = ()):
         self.enabled = enabled
         self.path = os.path.join(log_dir, "metrics.jsonl")
         self._tb = self._bar = None
+        self._trackers: List[Any] = list(trackers)
+        """Experiment trackers (W&B, MLflow): objects with ``log(step, metrics)`` and ``close()``."""
         if not enabled:
             return
         os.makedirs(log_dir, exist_ok=True)
@@ -80,18 +84,32 @@ class MetricsLogger:
         if self._tb is not None:
             for k, v in metrics.items():
                 self._tb.add_scalar(k, v, step)
+        for tracker in self._trackers:
+            tracker.log(step, metrics)
         if self._bar is not None:
             self._bar.set_postfix(reward=f"{metrics.get('reward/mean', float('nan')):.3f}",
                                   beta=f"{metrics.get('precision/beta_abs_mean', float('nan')):.2e}",
                                   phantom=f"{metrics.get('clip/phantom_region_fraction', float('nan')):.3f}")
             self._bar.update(1)
 
-    def close(self) -> None:
+    def write(self, message: str) -> None:
+        """Prints a line without breaking the progress bar (rank 0 only)."""
         if not self.enabled:
+            return
+        if self._bar is not None:
+            self._bar.write(message)
+        else:
+            print(message, flush=True)
+
+    def close(self) -> None:
+        """Idempotent: closes the file, TensorBoard, the trackers and the progress bar."""
+        if not self.enabled or self._file.closed:
             return
         self._file.close()
         if self._tb is not None:
             self._tb.close()
+        for tracker in self._trackers:
+            tracker.close()
         if self._bar is not None:
             self._bar.close()
 
@@ -102,3 +120,79 @@ def _tensorboard_writer(log_dir: str) -> Optional[object]:
     except Exception:  # noqa: BLE001 - tensorboard is optional
         return None
     return SummaryWriter(log_dir)
+
+
+def _flat(tree: Dict[str, Any], prefix: str = "") -> Dict[str, Any]:
+    """``{"a": {"b": 1}}`` -> ``{"a.b": 1}`` (recipe keys as typed in overrides)."""
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def _require(module: str, key: str):
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        raise ValueError(f"{key}=true needs the {module} package: pip install '.[{module}]'") from exc
+
+
+class WandbTracker:
+    """A Weights & Biases run (``mode: offline`` writes under ``<log_dir>/wandb`` with no network)."""
+
+    def __init__(self, cfg, log_dir: str, config: Dict[str, Any]):
+        wandb = _require("wandb", "logger.wandb_enabled")
+        os.makedirs(log_dir, exist_ok=True)
+        self._run = wandb.init(project=cfg.project, name=cfg.name or os.path.basename(os.path.abspath(log_dir)),
+                               dir=log_dir, mode=cfg.mode, config=config)
+
+    def log(self, step: int, metrics: Dict[str, float]) -> None:
+        self._run.log(dict(metrics), step=step)
+
+    def close(self) -> None:
+        self._run.finish()
+
+
+class MLflowTracker:
+    """An MLflow run; without ``tracking_uri`` a local file store ``file:<log_dir>/mlruns`` (no network)."""
+
+    def __init__(self, cfg, log_dir: str, config: Dict[str, Any]):
+        _require("mlflow", "logger.mlflow_enabled")
+        from mlflow.entities import Param
+        from mlflow.tracking import MlflowClient
+
+        uri = cfg.tracking_uri or pathlib.Path(os.path.abspath(log_dir), "mlruns").as_uri()
+        self._client = MlflowClient(tracking_uri=uri)
+        experiment = self._client.get_experiment_by_name(cfg.experiment_name)
+        experiment_id = experiment.experiment_id if experiment else self._client.create_experiment(cfg.experiment_name)
+        run_name = cfg.run_name or os.path.basename(os.path.abspath(log_dir))
+        self.run_id = self._client.create_run(experiment_id, run_name=run_name).info.run_id
+        params = [Param(k, str(v)[:250]) for k, v in sorted(_flat(config).items())]
+        for i in range(0, len(params), 100):  # MLflow takes at most 100 params per batch
+            self._client.log_batch(self.run_id, params=params[i:i + 100])
+
+    def log(self, step: int, metrics: Dict[str, float]) -> None:
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        rows = [Metric(k, v, now, step) for k, v in metrics.items() if math.isfinite(v)]
+        for i in range(0, len(rows), 1000):
+            self._client.log_batch(self.run_id, metrics=rows[i:i + 1000])
+
+    def close(self) -> None:
+        self._client.set_terminated(self.run_id)
+
+
+def build_trackers(cfg, config: Dict[str, Any]) -> List[Any]:
+    """The experiment trackers ``cfg`` (a ``LoggerConfig``) enables, each given the resolved ``config``."""
+    trackers = []
+    if cfg.wandb_enabled:
+        trackers.append(WandbTracker(cfg.wandb, cfg.log_dir, config))
+    if cfg.mlflow_enabled:
+        trackers.append(MLflowTracker(cfg.mlflow, cfg.log_dir, config))
+    return trackers

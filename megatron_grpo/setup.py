@@ -182,8 +182,28 @@ def _build_engine(cfg: Config, model_dir: str, shape):
 
 
 def build_logger(cfg: Config, ctx: TrainContext, start_step: int = 0, resumed: bool = False):
-    from megatron_grpo.metrics_logger import MetricsLogger
+    """Rank 0 writes the resolved config (``<log_dir>/config.yaml``, read by ``megatron-grpo doctor``
+    and usable as a recipe) and logs metrics; the other ranks get a disabled logger."""
+    from megatron_grpo.config import to_dict
+    from megatron_grpo.metrics_logger import MetricsLogger, build_trackers
 
-    lg = cfg.logger
-    return MetricsLogger(lg.log_dir, enabled=ctx.rank == 0, tensorboard=lg.tensorboard, progress_bar=lg.progress_bar,
-                         total_steps=cfg.grpo.max_num_steps, start_step=start_step, resumed=resumed)
+    lg, enabled = cfg.logger, ctx.rank == 0
+    if enabled:
+        write_config(cfg, lg.log_dir)
+    trackers = build_trackers(lg, to_dict(cfg)) if enabled else []
+    return MetricsLogger(lg.log_dir, enabled=enabled, tensorboard=lg.tensorboard, progress_bar=lg.progress_bar,
+                         total_steps=cfg.grpo.max_num_steps, start_step=start_step, resumed=resumed, trackers=trackers)
+
+
+def write_config(cfg: Config, log_dir: str) -> str:
+    """Writes the resolved config as YAML (atomically); returns its path."""
+    import yaml
+
+    from megatron_grpo.config import to_dict
+
+    os.makedirs(log_dir, exist_ok=True)
+    path = os.path.join(log_dir, "config.yaml")
+    with open(path + ".tmp", "w") as f:
+        yaml.safe_dump(to_dict(cfg), f, sort_keys=False)
+    os.replace(path + ".tmp", path)
+    return path

@@ -44,8 +44,10 @@ class GRPOTrainer:
 
     def __init__(self, cfg: Config):
         from megatron_grpo import setup
+        from megatron_grpo.doctor import LiveDoctor
         from megatron_grpo.rollout.staleness import StalenessGate
 
+        self._started = time.perf_counter()
         self.cfg = cfg
         self.ctx = setup.build_context(cfg)
         self.step, self.version, self.consecutive_skips = 0, 0, 0
@@ -54,8 +56,11 @@ class GRPOTrainer:
         """Handles of generations submitted ahead, for steps step+1, step+2, ... (async)."""
         self._stop_requested, self._last_push_names = False, []
         self.probe, self.parity_baseline = None, None
+        self._timing: Dict[str, float] = {}
+        """Host seconds of this step's phases (``timing/<phase>_s``), measured with perf_counter."""
         resumed = self.maybe_resume()
         self.logger = setup.build_logger(cfg, self.ctx, start_step=self.step, resumed=resumed)
+        self.doctor = LiveDoctor(to_dict(cfg))
 
     def maybe_resume(self) -> bool:
         """With ``checkpointing.resume``, restores the latest checkpoint and re-pushes its weights."""
@@ -75,21 +80,46 @@ class GRPOTrainer:
         """Runs ``grpo.max_num_steps`` steps; SIGTERM/SIGINT stop at the next step boundary with a checkpoint."""
         from megatron_grpo import faults
 
-        self.check_parity(force=True)
         self._install_signal_handlers()
+        stopped = "error"
         try:
+            self.check_parity(force=True)
             while self.step < self.cfg.grpo.max_num_steps and not self.stop_requested():
                 metrics = self.train_step()
                 self.step += 1
                 self.logger.log(self.step, metrics)
+                self.report_findings(metrics)
                 self.check_skips(metrics)
                 if self.checkpoint_due():
                     self.save()
                 faults.maybe_kill(self.step)
             if self.cfg.checkpointing.checkpoint_dir and self.step and not self.checkpoint_due():
                 self.save()
+            stopped = "signal" if self._stop_requested else None
         finally:
             self.close()
+            self.finish(stopped)
+
+    def report_findings(self, metrics: Dict[str, float]) -> None:
+        """The doctor's checks, live on rank 0: each finding printed once, when it first triggers."""
+        if self.ctx.rank != 0:
+            return
+        for message in self.doctor.update(self.step, metrics):
+            self.logger.write(message)
+
+    def finish(self, stopped: Optional[str]) -> None:
+        """Rank 0: the end-of-run summary from metrics.jsonl, printed and written to summary.json.
+        Never raises (a failure here must not hide the run's own error)."""
+        from megatron_grpo.summary import format_summary, write_summary
+
+        if self.ctx.rank != 0:
+            return
+        try:
+            summary = write_summary(self.cfg.logger.log_dir, to_dict(self.cfg), planned_steps=self.cfg.grpo.max_num_steps,
+                                    wall_s=time.perf_counter() - self._started, stopped=stopped)
+            print(format_summary(summary), flush=True)
+        except Exception as exc:  # noqa: BLE001
+            logger.warning("could not write the run summary: %s", exc)
 
     def checkpoint_due(self) -> bool:
         period = self.cfg.checkpointing.save_period
@@ -140,11 +170,14 @@ class GRPOTrainer:
         rollouts = self.next_rollouts()
         t_gen = time.perf_counter() - started
         rewards = self.score(rollouts)
+        t_reward = time.perf_counter() - started - t_gen
         advantages = ADVANTAGE_ESTIMATORS.get(self.cfg.grpo.advantage_estimator)(
             rewards, self.cfg.grpo.num_generations_per_prompt)
         batch = build_step_batch(rollouts, advantages, self.ctx.dp_rank, self.ctx.dp_size, self.ctx.pad_id,
                                  step=self.step + 1)
+        t_train = time.perf_counter()
         stats, extra = self.ctx.stepper.run(batch, self.step + 1)
+        t_train = time.perf_counter() - t_train
         if self.step + 1 in self.cfg.logger.token_dump_steps and self.ctx.rank == 0:
             self.dump_tokens(batch)
         self.version += 1
@@ -156,7 +189,8 @@ class GRPOTrainer:
         metrics.update(sync)
         host = {"rollout/dropped_stale": float(self.gate.dropped), "time/generate_s": t_gen,
                 "rollout/policy_version_lag": float(self.version - 1 - rollouts.items[0].policy_version),
-                "time/step_s": time.perf_counter() - started}
+                "time/step_s": time.perf_counter() - started, "timing/generate_s": t_gen,
+                "timing/reward_s": t_reward, "timing/train_s": t_train, **self._timing}
         metrics.update({k: torch.tensor(v, device=device) for k, v in host.items()})
         return to_host(metrics)
 
@@ -258,13 +292,17 @@ class GRPOTrainer:
         """Pushes the new weights to the generator and runs the parity probe when due."""
         from megatron_grpo.rollout.weight_sync import push_weights
 
+        started = time.perf_counter()
         report = push_weights(self.ctx.model, self.ctx.shape, self.ctx.engine, self.version,
                               dtype=to_dtype(self.cfg.policy.precision.generation_dtype),
                               bucket_mb=self.cfg.generation.weight_push_bucket_mb)
         self._last_push_names = report.names
         out = {"sync/push_s": torch.tensor(report.seconds, device=self.ctx.device)}
+        self._timing = {"timing/weight_push_s": time.perf_counter() - started, "timing/parity_s": 0.0}
         if probe:
+            started = time.perf_counter()
             out.update(self.check_parity())
+            self._timing["timing/parity_s"] = time.perf_counter() - started
         return out
 
     def check_parity(self, force: bool = False) -> Dict[str, torch.Tensor]:

@@ -6,8 +6,8 @@ from megatron_grpo.parallel.state import Layout, validate_layout
 
 
 @pytest.mark.parametrize("layout, kwargs, key", [
-    (Layout(world_size=4, tp=3), {}, "tensor"),
-    (Layout(world_size=2, tp=1, ep=4), {}, "expert"),
+    (Layout(world_size=4, tp=3), {}, r"policy\.megatron_cfg\.tensor_model_parallel_size \(3\)"),
+    (Layout(world_size=2, tp=1, ep=4), {}, r"policy\.megatron_cfg\.expert_model_parallel_size \(4\)"),
     (Layout(world_size=2, pp=2), {"num_layers": 3}, "pipeline_model_parallel_size"),
     (Layout(world_size=2, ep=2), {"num_experts": 3}, "expert_model_parallel_size"),
     (Layout(world_size=2, ep=2), {"num_experts": 0}, "expert_model_parallel_size"),

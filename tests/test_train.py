@@ -98,7 +98,7 @@ def test_two_rank_layouts_match_single_process_first_step(layout, tmp_path, tiny
 @pytest.mark.parametrize("override, message", [
     ("policy.bogus_key=1", "policy.bogus_key"),
     ("grpo.max_num_steps=abc", "grpo.max_num_steps"),
-    ("policy.megatron_cfg.tensor_model_parallel_size=3", "tensor"),
+    ("policy.megatron_cfg.tensor_model_parallel_size=3", "policy.megatron_cfg.tensor_model_parallel_size (3)"),
     ("policy.model_name=/nonexistent/checkpoint", "/nonexistent/checkpoint"),
     ("loss_fn.clip=bogus", "loss_fn.clip"),
 ])

@@ -43,11 +43,13 @@ def validate_layout(layout: Layout, *, num_layers: Optional[int] = None, num_exp
             raise ValueError(f"{prefix}.{key} must be >= 1, got {getattr(layout, attr)}")
     mp = layout.tp * layout.pp * layout.cp
     if layout.world_size % mp:
-        raise ValueError(f"{prefix}: tensor ({layout.tp}) x pipeline ({layout.pp}) x context ({layout.cp}) = {mp} "
-                         f"does not divide the world size {layout.world_size}")
+        raise ValueError(f"{prefix}.tensor_model_parallel_size ({layout.tp}) x {prefix}.pipeline_model_parallel_size "
+                         f"({layout.pp}) x {prefix}.context_parallel_size ({layout.cp}) = {mp} does not divide the "
+                         f"world size {layout.world_size}")
     if (layout.world_size // layout.pp) % (layout.ep * layout.etp):
-        raise ValueError(f"{prefix}: expert ({layout.ep}) x expert_tensor ({layout.etp}) = {layout.ep * layout.etp} "
-                         f"does not divide world size / pipeline = {layout.world_size // layout.pp}")
+        raise ValueError(f"{prefix}.expert_model_parallel_size ({layout.ep}) x {prefix}.expert_tensor_parallel_size "
+                         f"({layout.etp}) = {layout.ep * layout.etp} does not divide world size / "
+                         f"{prefix}.pipeline_model_parallel_size = {layout.world_size // layout.pp}")
     if num_layers is not None and num_layers % layout.pp:
         raise ValueError(f"{prefix}.pipeline_model_parallel_size={layout.pp} does not divide num_hidden_layers={num_layers}")
     if layout.ep > 1 and num_experts is not None and not num_experts:

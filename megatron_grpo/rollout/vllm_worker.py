@@ -47,6 +47,9 @@ def serve(options: dict, requests, responses) -> None:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(options.get("kv_cache_gib", 1)))))
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    from megatron_grpo import quiet
+
+    quiet.install(verbose=quiet.is_verbose())
     try:
         llm = _build(options)
     except BaseException:  # noqa: BLE001 - report start-up failures to the trainer
@@ -68,7 +71,9 @@ def serve(options: dict, requests, responses) -> None:
 def _build(options: dict):
     from vllm import LLM
 
-    extra = {"enable_prefix_caching": True}
+    from megatron_grpo.quiet import is_verbose
+
+    extra = {"enable_prefix_caching": True, "use_tqdm_on_load": is_verbose()}
     if options.get("return_routed_experts"):
         # vLLM returns routed experts through its AuxOutput connector, which needs Model Runner V2
         os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "1")

@@ -1,0 +1,247 @@
+"""The precision doctor: reads a run's ``metrics.jsonl`` (and ``config.yaml``) and says whether the
+trainer/generator precision gap hurts it, with numbers and the fixes ranked as in MECHANISM.md.
+
+    megatron-grpo doctor RUN_DIR
+
+Diagnostics read files, not live objects, so they work on any past run. Thresholds (README,
+"Diagnostics") are the constants below; every one is a mean over the run's steps unless named.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence
+
+PHANTOM_ZERO_GRAD = 0.01
+"""Phantom clipping is a problem when it zeroes more than 1% of token gradients (mean over steps)."""
+BETA_GROWTH = 2.0
+"""beta grows when mean |beta| of the last steps is this many times that of the first ones ..."""
+BETA_FLOOR = 1e-3
+"""... and above this (nats; below it the gap is numerical noise)."""
+DRIFT_GROWTH = 2.0
+"""Parity drift: the probe's mean |diff| of the last steps is this many times that of the first ones ..."""
+DRIFT_FLOOR = 1e-3
+"""... and above this (nats; an fp32-matched probe sits near 1e-6)."""
+ROUTE_MISMATCH = 0.01
+"""MoE: more than 1% of (token, layer) routing decisions differ between trainer and generator."""
+MASKED_MOST = 0.5
+"""A correction masks most tokens: more than half the valid tokens get weight 0."""
+WINDOW = 5
+"""First / last window (steps) compared for growth."""
+
+
+@dataclass
+class Finding:
+    """One diagnosis: ``kind`` (stable id), ``severity`` (problem / note), a sentence, and fixes."""
+
+    kind: str
+    severity: str
+    message: str
+    fixes: List[str] = field(default_factory=list)
+
+
+def read_metrics(run_dir: str) -> List[Dict[str, Any]]:
+    """The rows of ``<run_dir>/metrics.jsonl`` (a path to the file works too); null -> NaN."""
+    path = run_dir if run_dir.endswith(".jsonl") else os.path.join(run_dir, "metrics.jsonl")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path}: no metrics.jsonl (is this a run's logger.log_dir?)")
+    with open(path) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    return [{k: (math.nan if v is None else v) for k, v in row.items()} for row in rows]
+
+
+def read_config(run_dir: str) -> Optional[Dict[str, Any]]:
+    """The resolved config the trainer wrote at start (``config.yaml``), or None for older runs."""
+    folder = os.path.dirname(run_dir) if run_dir.endswith(".jsonl") else run_dir
+    path = os.path.join(folder, "config.yaml")
+    if not os.path.isfile(path):
+        return None
+    import yaml
+
+    with open(path) as f:
+        return yaml.safe_load(f)
+
+
+def series(rows: Sequence[Dict[str, Any]], key: str) -> List[float]:
+    """The finite values of ``key`` over the steps, in order."""
+    return [float(r[key]) for r in rows if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])]
+
+
+def mean(values: Sequence[float]) -> float:
+    return sum(values) / len(values) if values else math.nan
+
+
+def _precision(config: Optional[Dict[str, Any]]) -> Dict[str, Any]:
+    p = (config or {}).get("policy", {}).get("precision", {})
+    return {"params": p.get("params_dtype"), "compute": p.get("compute_dtype"),
+            "generation": p.get("generation_dtype"), "shadow": p.get("shadow_dtype")}
+
+
+def _loss(config: Optional[Dict[str, Any]]) -> Dict[str, Any]:
+    return (config or {}).get("loss_fn", {})
+
+
+def precision_fixes(config: Optional[Dict[str, Any]]) -> List[str]:
+    """MECHANISM.md's fixes, strongest first, as the overrides to type (those already in effect left out)."""
+    p, loss = _precision(config), _loss(config)
+    gen = p["generation"] or "bfloat16"
+    fp32_params = "" if p["params"] in (None, "float32") else "policy.precision.params_dtype=float32 "
+    fixes = []
+    if not (p["compute"] == "float16" and gen == "float16"):
+        fixes.append(f"fp16 training and fp16 generation (mismatch structurally 0): {fp32_params}"
+                     "policy.precision.compute_dtype=float16 policy.precision.generation_dtype=float16")
+    if p["compute"] != gen:
+        how = ("bf16 autocast with fp32 master weights (the usual mixed-precision recipe)" if gen == "bfloat16"
+               else f"compute in the generator's precision, {gen}")
+        fixes.append(f"{how}: {fp32_params}policy.precision.compute_dtype={gen}")
+    if loss.get("ratio", "train") != "shadow":
+        fixes.append("take the PPO ratio from the shadow forward (gradients still from the trainer's pass): "
+                     "loss_fn.ratio=shadow")
+    if loss.get("ratio_clip_min", 0.2) < 1:
+        fixes.append("no clip (very large eps): loss_fn.ratio_clip_min=10 loss_fn.ratio_clip_max=10")
+    if loss.get("clip", "ppo") not in ("detach", "detach_center"):
+        fixes.append("detached gradient weights (least stable): loss_fn.clip=detach_center")
+    return fixes
+
+
+def _dtypes_sentence(config: Optional[Dict[str, Any]]) -> str:
+    p = _precision(config)
+    if p["compute"] is None:
+        return "the trainer's and the generator's precisions differ (no config.yaml in the run dir to name them)"
+    return f"the trainer computes in {p['compute']} while the generator runs {p['generation']}"
+
+
+def check_phantom(rows, config) -> List[Finding]:
+    """Phantom clipping: tokens whose gradient the precision gap alone zeroes."""
+    phantom = mean(series(rows, "clip/phantom_zero_grad_fraction"))
+    legit = mean(series(rows, "clip/legit_zero_grad_fraction"))
+    beta = mean(series(rows, "precision/beta_abs_mean"))
+    if not math.isfinite(phantom) or phantom <= PHANTOM_ZERO_GRAD:
+        return []
+    region = mean(series(rows, "clip/phantom_region_fraction"))
+    message = (f"phantom clipping zeroes {phantom:.1%} of token gradients (legitimate: {legit:.1%}; "
+               f"{region:.1%} of tokens pushed outside the trust region by the precision gap, mean |beta| "
+               f"{beta:.2e}); {_dtypes_sentence(config)}")
+    return [Finding("phantom_clipping", "problem", message, precision_fixes(config))]
+
+
+def _growth(values: Sequence[float]) -> tuple:
+    """(first-window mean, last-window mean) when there are two distinct windows, else (nan, nan)."""
+    if len(values) < 2:
+        return math.nan, math.nan
+    w = max(1, min(WINDOW, len(values) // 2))
+    return mean(values[:w]), mean(values[-w:])
+
+
+def check_growth(rows, config) -> List[Finding]:
+    """beta rising over the run (mismatch KL rising until collapse: NeMo-RL #1801) and parity drift."""
+    found = []
+    first, last = _growth(series(rows, "precision/beta_abs_mean"))
+    if last > BETA_FLOOR and last > BETA_GROWTH * first:
+        found.append(Finding("beta_growing", "problem",
+                             f"the precision gap grows over the run: mean |beta| {first:.2e} -> {last:.2e} "
+                             f"(first vs last {WINDOW} steps); a rising trainer/generator mismatch precedes "
+                             "collapse (NeMo-RL #1801)", precision_fixes(config)[:2]))
+    first, last = _growth(series(rows, "sync/logprob_abs_diff_mean"))
+    if last > DRIFT_FLOOR and last > DRIFT_GROWTH * first:
+        found.append(Finding("parity_drift", "problem",
+                             f"parity-probe drift: the generator's and the trainer's log-probs on the fixed probe "
+                             f"set moved apart, mean |diff| {first:.2e} -> {last:.2e} (first vs last {WINDOW} "
+                             "steps); the pushed weights or the generator's kernels diverge from the trainer's",
+                             ["check the weight push (sync/push_s, the pushed names) and the generator's dtype: "
+                              "policy.precision.generation_dtype", "lower the tolerance to stop earlier: "
+                              "generation.parity_growth=2"]))
+    return found
+
+
+def check_moe_and_correction(rows, config) -> List[Finding]:
+    """MoE routing mismatch and corrections that mask most tokens."""
+    found = []
+    routes = mean(series(rows, "moe/route_mismatch_fraction"))
+    replay = (config or {}).get("policy", {}).get("megatron_cfg", {}).get("moe_routing_replay", "none")
+    if math.isfinite(routes) and routes > ROUTE_MISMATCH:
+        fixes = [] if replay != "none" else ["replay the generator-precision routing in the training forward: "
+                                             "policy.megatron_cfg.moe_routing_replay=R2 (R3 on GPU)"]
+        found.append(Finding("moe_route_mismatch", "problem",
+                             f"MoE routing mismatch: {routes:.1%} of (token, layer) expert choices differ between "
+                             f"the training forward and the generator-precision shadow (replay: {replay})", fixes))
+    masked = mean(series(rows, "correction/masked_fraction"))
+    if math.isfinite(masked) and masked > MASKED_MOST:
+        name = _loss(config).get("correction") or "the correction"
+        found.append(Finding("correction_masks_most", "problem",
+                             f"{name} masks {masked:.1%} of valid tokens (weight 0): most of the batch teaches "
+                             "nothing", ["widen its band (loss_fn.icepop_low / icepop_high, seq_mask_low / "
+                                         "seq_mask_high) or close the gap it measures"] + precision_fixes(config)[:2]))
+    return found
+
+
+def check_skips(rows, config) -> List[Finding]:
+    skipped = sum(series(rows, "train/skipped_nonfinite"))
+    if skipped <= 0:
+        return []
+    return [Finding("nonfinite_skips", "problem", f"{int(skipped)} step(s) skipped for non-finite values")]
+
+
+CHECKS = (check_phantom, check_growth, check_moe_and_correction, check_skips)
+
+
+def diagnose(rows: Sequence[Dict[str, Any]], config: Optional[Dict[str, Any]] = None) -> List[Finding]:
+    """Every finding of every check (empty: healthy)."""
+    return [f for check in CHECKS for f in check(rows, config)]
+
+
+def healthy_sentence(rows, config) -> str:
+    beta = mean(series(rows, "precision/beta_abs_mean"))
+    phantom = mean(series(rows, "clip/phantom_zero_grad_fraction"))
+    p = _precision(config)
+    where = (f"trainer computes in {p['compute']}, generator runs {p['generation']}" if p["compute"]
+             else "precisions not recorded")
+    gap = "beta = 0 exactly" if beta == 0 else f"mean |beta| {beta:.2e}"
+    clip = "" if not math.isfinite(phantom) else f", phantom clipping zeroes {phantom:.2%} of token gradients"
+    return f"healthy: no precision problem found ({where}; {gap}{clip})"
+
+
+def format_verdict(findings: Sequence[Finding], rows, config) -> str:
+    """The doctor's text: one paragraph per finding with its fixes, strongest first."""
+    if not findings:
+        return healthy_sentence(rows, config)
+    lines = []
+    for f in findings:
+        lines.append(f"{f.severity}: {f.message}.")
+        if f.fixes:
+            lines.append("  Fixes, strongest first:" if len(f.fixes) > 1 else "  Fix:")
+            lines += [f"    {i}. {fix}" for i, fix in enumerate(f.fixes, 1)]
+    return "\n".join(lines)
+
+
+def doctor(run_dir: str) -> int:
+    """``megatron-grpo doctor RUN_DIR``: prints the verdict; 0 healthy, 1 problems found."""
+    rows, config = read_metrics(run_dir), read_config(run_dir)
+    if not rows:
+        print(f"{run_dir}: metrics.jsonl has no steps yet")
+        return 0
+    findings = diagnose(rows, config)
+    print(f"{run_dir}: {len(rows)} steps")
+    print(format_verdict(findings, rows, config))
+    return 1 if findings else 0
+
+
+class LiveDoctor:
+    """The same checks during training: each finding is reported once, when it first triggers."""
+
+    MIN_STEPS = 3
+
+    def __init__(self, config: Optional[Dict[str, Any]]):
+        self.config, self.rows, self.reported = config, [], set()
+
+    def update(self, step: int, metrics: Dict[str, float]) -> List[str]:
+        """Adds a step's metrics; returns the messages of findings not reported before."""
+        self.rows.append({"step": step, **metrics})
+        if len(self.rows) < self.MIN_STEPS:
+            return []
+        new = [f for f in diagnose(self.rows, self.config) if f.kind not in self.reported]
+        self.reported.update(f.kind for f in new)
+        return [f"doctor (step {step}): " + format_verdict([f], self.rows, self.config) for f in new]

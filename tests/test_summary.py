@@ -1,0 +1,134 @@
+"""The end-of-run summary: numbers from metrics.jsonl rows, summary.json, and the real training loop
+(with a stubbed step) writing it after a normal end, after SIGTERM and after an error."""
+
+import json
+import math
+import os
+import signal
+import time
+
+import pytest
+
+from megatron_grpo.config import Config, to_dict
+from megatron_grpo.summary import format_summary, summarize, write_summary
+from tests.test_doctor import precision_config, step_row, write_run
+
+
+def timed_row(step, **kw):
+    row = step_row(step, **kw)
+    row.update({"timing/generate_s": 1.0, "timing/reward_s": 0.01, "timing/train_s": 2.0,
+                "timing/weight_push_s": 0.5, "timing/parity_s": 0.25, "time/step_s": 3.8})
+    return row
+
+
+def test_summary_numbers_come_from_the_rows(tmp_path):
+    rows = [timed_row(s, beta=0.01 * s, phantom=0.02 * s) for s in range(1, 11)]
+    rows[6]["reward/mean"] = 5.0  # the best step
+    config = precision_config("float32", "bfloat16")
+    config["checkpointing"]["checkpoint_dir"] = str(tmp_path / "ckpt")
+    log_dir = write_run(tmp_path / "run", rows, config)
+    s = write_summary(log_dir, config, wall_s=60.0, planned_steps=10)
+    assert s == json.loads(open(os.path.join(log_dir, "summary.json")).read())
+    assert s["steps"] == 10 and s["stopped"] is None and s["wall_s"] == 60.0
+    assert s["timing_s"] == pytest.approx({"generate": 10.0, "reward": 0.1, "train": 20.0, "weight_push": 5.0,
+                                           "parity": 2.5})
+    assert s["reward"] == {"first": -15.0, "last": -6.0, "best": 5.0}
+    assert s["completion_length"] == {"first": 15.5, "last": 11.0}
+    assert s["beta_abs_mean"]["first"] == pytest.approx(0.03) and s["beta_abs_mean"]["last"] == pytest.approx(0.08)
+    assert s["phantom_zero_grad_fraction"]["first"] == pytest.approx(0.06)
+    assert s["deployed_improvement_mean"] == pytest.approx(1e-3)
+    assert not s["healthy"] and "phantom clipping zeroes" in s["doctor"]
+    assert s["paths"]["checkpoints"] == str(tmp_path / "ckpt") and s["paths"]["tensorboard"] is None  # no events
+    assert s["commands"]["resume"].endswith("config.yaml checkpointing.resume=true")
+    assert s["commands"]["plot"].startswith(f"megatron-grpo plot {log_dir}")
+    text = format_summary(s)
+    assert "steps 10/10; wall time 60.0s (generate 10.0s, reward 0.1s, train 20.0s" in text
+    assert "reward: first -15.000, last -6.000, best 5.000" in text
+    assert f"megatron-grpo doctor {log_dir}" in text and len(text.splitlines()) <= 25
+
+
+def test_summary_of_an_empty_run_and_nan_values(tmp_path):
+    s = summarize([], None, wall_s=float("nan"), planned_steps=5, stopped="error")
+    assert s["steps"] == 0 and s["reward"]["best"] is None and s["wall_s"] is None
+    json.dumps(s, allow_nan=False)  # valid JSON: no NaN anywhere
+    rows = [{"step": 1, "reward/mean": math.nan, "precision/beta_abs_mean": 0.0}]
+    s = summarize(rows, None)
+    assert s["reward"]["first"] is None and s["beta_abs_mean"]["first"] == 0.0
+    json.dumps(s, allow_nan=False)
+
+
+class StubTrainer:
+    """The real ``GRPOTrainer.train`` loop around a stubbed step (no model, no generator)."""
+
+    @staticmethod
+    def make(tmp_path, max_steps, signal_at=None, fail_at=None):
+        from megatron_grpo.doctor import LiveDoctor
+        from megatron_grpo.metrics_logger import MetricsLogger
+        from megatron_grpo.train import GRPOTrainer
+
+        class Trainer(GRPOTrainer):
+            def __init__(self):
+                self._started, self.step, self.consecutive_skips = time.perf_counter(), 0, 0
+                self._stop_requested = False
+                self.cfg = Config()
+                self.cfg.grpo.max_num_steps = max_steps
+                self.cfg.logger.log_dir = str(tmp_path / "run")
+                self.ctx = type("Ctx", (), {"rank": 0, "engine": None})()
+                self.logger = MetricsLogger(self.cfg.logger.log_dir, enabled=True, tensorboard=False,
+                                            progress_bar=False, total_steps=max_steps)
+                self.doctor = LiveDoctor(to_dict(self.cfg))
+
+            def check_parity(self, force=False):
+                return {}
+
+            def stop_requested(self):
+                return self._stop_requested
+
+            def train_step(self):
+                if self.step + 1 == signal_at:
+                    os.kill(os.getpid(), signal.SIGTERM)
+                if self.step + 1 == fail_at:
+                    raise RuntimeError("boom")
+                return timed_row(self.step + 1)
+
+        return Trainer()
+
+
+@pytest.fixture
+def restore_signals():
+    saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    yield
+    for s, handler in saved.items():
+        signal.signal(s, handler)
+
+
+def test_summary_after_a_normal_end(tmp_path, capsys, restore_signals):
+    StubTrainer.make(tmp_path, max_steps=4).train()
+    s = json.load(open(tmp_path / "run" / "summary.json"))
+    assert s["steps"] == 4 and s["planned_steps"] == 4 and s["stopped"] is None and s["healthy"]
+    assert "run summary" in capsys.readouterr().out
+
+
+def test_summary_after_sigterm(tmp_path, capsys, restore_signals):
+    StubTrainer.make(tmp_path, max_steps=10, signal_at=3).train()  # stops at the step boundary
+    s = json.load(open(tmp_path / "run" / "summary.json"))
+    assert s["steps"] == 3 and s["planned_steps"] == 10 and s["stopped"] == "signal"
+    out = capsys.readouterr().out
+    assert "steps 3/10, stopped early (signal)" in out
+
+
+def test_summary_after_an_error_does_not_hide_it(tmp_path, capsys, restore_signals):
+    with pytest.raises(RuntimeError, match="boom"):
+        StubTrainer.make(tmp_path, max_steps=10, fail_at=3).train()
+    s = json.load(open(tmp_path / "run" / "summary.json"))
+    assert s["steps"] == 2 and s["stopped"] == "error"
+
+
+def test_written_config_round_trips_as_a_recipe(tmp_path):
+    from megatron_grpo.recipe import load_recipe
+    from megatron_grpo.setup import write_config
+
+    cfg = load_recipe(os.path.join(os.path.dirname(os.path.dirname(__file__)), "recipes", "grpo-tiny-eos-cpu.yaml"),
+                      ["policy.precision.generation_dtype=bfloat16", f"logger.log_dir={tmp_path}"])
+    path = write_config(cfg, str(tmp_path))
+    assert to_dict(load_recipe(path)) == to_dict(cfg)
