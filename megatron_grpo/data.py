@@ -12,10 +12,15 @@ _SYNTHETIC = ["Tell me about", "Write one word:", "The answer is", "Say somethin
 
 
 def load_prompts(prompts_file: Optional[str], tokenizer_dir: str, num_synthetic: int, vocab_size: int,
-                 seed: int) -> List[List[int]]:
-    """Prompt token-id lists from ``prompts_file`` (JSONL) or a synthetic set."""
+                 seed: int, max_model_len: Optional[int] = None) -> List[List[int]]:
+    """Prompt token-id lists from ``prompts_file`` (JSONL) or a synthetic set.
+
+    File prompts are validated here, at load time, naming file and line: UTF-8, JSON, token ids
+    inside the vocabulary, and shorter than ``generation.max_model_len`` (room for one token),
+    so that a bad prompt never reaches the generator (where it cost restarts and an opaque
+    error)."""
     if prompts_file:
-        return _from_jsonl(prompts_file, tokenizer_dir)
+        return _from_jsonl(prompts_file, tokenizer_dir, vocab_size, max_model_len)
     tokenizer = load_tokenizer(tokenizer_dir)
     rng = random.Random(seed)
     prompts = []
@@ -38,30 +43,58 @@ def load_tokenizer(model_dir: str):
         return None
 
 
-def _from_jsonl(path: str, tokenizer_dir: str) -> List[List[int]]:
+def _from_jsonl(path: str, tokenizer_dir: str, vocab_size: int, max_model_len: Optional[int]) -> List[List[int]]:
     if not os.path.isfile(path):
         raise FileNotFoundError(f"data.prompts_file: no such file {path}")
     tokenizer, prompts = None, []
-    with open(path) as f:
-        for lineno, line in enumerate(f, 1):
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            where = f"data.prompts_file {path}:{lineno}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise ValueError(f"{where}: not UTF-8 ({exc})") from exc
             if not line.strip():
                 continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"data.prompts_file {path}:{lineno}: not JSON ({exc})") from exc
-            if "prompt_token_ids" in row:
-                prompts.append([int(t) for t in row["prompt_token_ids"]])
-            elif "prompt" in row:
-                tokenizer = tokenizer or load_tokenizer(tokenizer_dir)
-                if tokenizer is None:
-                    raise ValueError(f"data.prompts_file {path}:{lineno}: text prompt but the model has no tokenizer")
-                prompts.append(tokenizer(row["prompt"], add_special_tokens=False)["input_ids"])
-            else:
-                raise ValueError(f"data.prompts_file {path}:{lineno}: needs 'prompt' or 'prompt_token_ids'")
+            ids, tokenizer = _prompt_ids(line, where, tokenizer, tokenizer_dir)
+            _check_prompt(ids, where, vocab_size, max_model_len)
+            prompts.append(ids)
     if not prompts:
         raise ValueError(f"data.prompts_file {path} has no prompts")
     return prompts
+
+
+def _prompt_ids(line: str, where: str, tokenizer, tokenizer_dir: str):
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{where}: not JSON ({exc})") from exc
+    if not isinstance(row, dict):
+        raise ValueError(f"{where}: needs a JSON object with 'prompt' or 'prompt_token_ids'")
+    if "prompt_token_ids" in row:
+        ids = row["prompt_token_ids"]
+        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise ValueError(f"{where}: 'prompt_token_ids' must be a list of integers")
+        return list(ids), tokenizer
+    if "prompt" in row:
+        if not isinstance(row["prompt"], str):
+            raise ValueError(f"{where}: 'prompt' must be a string")
+        tokenizer = tokenizer or load_tokenizer(tokenizer_dir)
+        if tokenizer is None:
+            raise ValueError(f"{where}: text prompt but the model has no tokenizer")
+        return tokenizer(row["prompt"], add_special_tokens=False)["input_ids"], tokenizer
+    raise ValueError(f"{where}: needs 'prompt' or 'prompt_token_ids'")
+
+
+def _check_prompt(ids: List[int], where: str, vocab_size: int, max_model_len: Optional[int]) -> None:
+    if not ids:
+        raise ValueError(f"{where}: empty prompt")
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"{where}: token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+    if max_model_len is not None and len(ids) >= max_model_len:
+        raise ValueError(f"{where}: prompt of {len(ids)} tokens leaves no room to generate within "
+                         f"generation.max_model_len={max_model_len}")
 
 
 class PromptSampler:

@@ -19,7 +19,12 @@ def _load_tree(path: str, seen: List[str]):
     try:
         node = OmegaConf.load(path)
     except Exception as exc:  # noqa: BLE001 - YAML errors come in several types
-        raise ValueError(f"recipe {path}: cannot parse YAML: {exc}") from exc
+        mark = getattr(exc, "problem_mark", None)  # the position only: never echo a file's content
+        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+        raise ValueError(f"recipe {path}: not a recipe: cannot parse it as YAML{where}") from None
+    if node is not None and not OmegaConf.is_dict(node):
+        raise ValueError(f"recipe {path}: not a recipe (expected a YAML mapping of config sections)")
+    _check_is_recipe(path, node)
     defaults = node.pop("defaults", None) if node else None
     bases = [] if defaults is None else ([defaults] if isinstance(defaults, str) else list(defaults))
     merged = OmegaConf.create({})
@@ -27,6 +32,18 @@ def _load_tree(path: str, seen: List[str]):
         base_path = base if os.path.isabs(base) else os.path.join(os.path.dirname(path), base)
         merged = OmegaConf.merge(merged, _load_tree(base_path, seen + [path]))
     return OmegaConf.merge(merged, node or {})
+
+
+def _check_is_recipe(path: str, node) -> None:
+    """A file none of whose top-level keys is a config section (or ``defaults``) is not a recipe:
+    say so without echoing its content (``defaults: /etc/passwd`` must not print the file)."""
+    import dataclasses
+
+    keys = list(node.keys()) if node else []
+    known = {f.name for f in dataclasses.fields(Config)} | {"defaults"}
+    if keys and not any(k in known for k in keys):
+        raise ValueError(f"recipe {path}: not a recipe (none of its top-level keys is a config section: "
+                         f"{', '.join(sorted(known))})")
 
 
 def load_recipe(path: str, overrides: Sequence[str] = ()) -> Config:

@@ -73,11 +73,22 @@ def find_resume_dir(trainer) -> Optional[str]:
     return result
 
 
+def read_trainer_state(path: str) -> dict:
+    """The trainer state of checkpoint ``path``, unpickled with ``weights_only=True``: tensors,
+    numbers, strings, lists and dicts only, so a tampered file cannot run code on resume."""
+    file = os.path.join(path, ckpt.STATE_FILE)
+    try:
+        return torch.load(file, weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - UnpicklingError, EOFError, RuntimeError, ...
+        raise ckpt.CheckpointError(f"{file}: cannot be loaded as plain data (weights_only=True): "
+                                   f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}") from exc
+
+
 def load_checkpoint(trainer, path: str) -> None:
     """Restores model, optimizer and trainer state from ``path`` at this run's (any) layout."""
     ctx = trainer.ctx
     opt = ctx.optimizer
-    state = torch.load(os.path.join(path, ckpt.STATE_FILE), weights_only=False)
+    state = read_trainer_state(path)
     load_hf_weights(ctx.model, path, ctx.shape, filename=ckpt.MODEL_FILE, target=lambda n, p: opt.master_of(p))
     opt.sync_params_from_master()
     opt.init_state(state["adam_step"])

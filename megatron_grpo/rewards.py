@@ -32,22 +32,65 @@ def get_reward_fn(name: str) -> Callable:
     return REWARDS.get(name)
 
 
+REWARD_MAX_ABS = 3.0e38
+"""Rewards must fit float32 (the loss's precision): 1e300 is finite in Python but inf there."""
+
+
 def compute_rewards(fn: Callable, name: str, step: int, completion_ids, texts: Optional[Sequence[Optional[str]]],
-                    prompt_ids) -> torch.Tensor:
-    """Calls the reward and checks it: one finite float per completion, else a clear error."""
-    try:
-        values = fn(completion_ids=completion_ids, texts=texts, prompt_ids=prompt_ids)
-    except Exception as exc:  # noqa: BLE001 - user code
-        raise RuntimeError(f"reward function {name!r} raised at step {step}: {type(exc).__name__}: {exc}") from exc
-    try:
-        values = [float(v) for v in (values.tolist() if isinstance(values, torch.Tensor) else values)]
-    except (TypeError, ValueError) as exc:
-        raise ValueError(f"reward function {name!r} at step {step} must return numbers, got {type(values).__name__}") from exc
+                    prompt_ids, timeout_s: Optional[float] = None) -> torch.Tensor:
+    """Calls the reward (at most ``timeout_s`` seconds) and checks it: one real number per
+    completion, finite in float32, else a clear error naming the function and the step."""
+    values = _call(fn, name, step, timeout_s, dict(completion_ids=completion_ids, texts=texts, prompt_ids=prompt_ids))
+    if isinstance(values, torch.Tensor):
+        values = values.tolist()
+    if isinstance(values, (str, bytes, dict)) or not hasattr(values, "__len__"):
+        raise ValueError(f"reward function {name!r} at step {step} must return a list of numbers, "
+                         f"got {type(values).__name__}")
     if len(values) != len(completion_ids):
         raise ValueError(f"reward function {name!r} returned {len(values)} rewards for {len(completion_ids)} "
                          f"completions at step {step}")
-    bad = [i for i, v in enumerate(values) if not math.isfinite(v)]
+    wrong = [i for i, v in enumerate(values) if not _is_number(v)]
+    if wrong:
+        raise ValueError(f"reward function {name!r} at step {step} returned a non-number for completion {wrong[0]}: "
+                         f"{values[wrong[0]]!r} ({type(values[wrong[0]]).__name__})")
+    values = [float(v) for v in values]
+    bad = [i for i, v in enumerate(values) if not (math.isfinite(v) and abs(v) <= REWARD_MAX_ABS)]
     if bad:
-        raise ValueError(f"reward function {name!r} returned non-finite rewards at step {step} "
-                         f"(completions {bad[:5]}{'...' if len(bad) > 5 else ''})")
+        raise ValueError(f"reward function {name!r} returned non-finite rewards (or beyond float32's range) at step "
+                         f"{step} (completions {bad[:5]}{'...' if len(bad) > 5 else ''}: {values[bad[0]]!r})")
     return torch.tensor(values, dtype=torch.float64)  # advantages are computed in float64
+
+
+def _is_number(value) -> bool:
+    import numbers
+
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) or (
+        isinstance(value, torch.Tensor) and value.numel() == 1 and value.is_floating_point())
+
+
+def _call(fn: Callable, name: str, step: int, timeout_s: Optional[float], kwargs):
+    """Runs the user's reward, in a daemon thread when a timeout is set (a hung reward cannot be
+    killed, but the run stops with a clear error instead of hanging forever)."""
+    box = {}
+
+    def target():
+        try:
+            box["value"] = fn(**kwargs)
+        except BaseException as exc:  # noqa: BLE001 - user code; re-raised below
+            box["error"] = exc
+
+    if timeout_s is None:
+        target()
+    else:
+        import threading
+
+        worker = threading.Thread(target=target, daemon=True, name=f"reward-{name}")
+        worker.start()
+        worker.join(timeout_s)
+        if worker.is_alive():
+            raise RuntimeError(f"reward function {name!r} did not return within reward.timeout_s={timeout_s} s "
+                               f"at step {step}")
+    if "error" in box:
+        exc = box["error"]
+        raise RuntimeError(f"reward function {name!r} raised at step {step}: {type(exc).__name__}: {exc}") from exc
+    return box["value"]

@@ -184,3 +184,28 @@ def test_expert_parallel_checkpoint_matches_ep1_and_reloads_at_another_layout(tm
     for filename, tensors in ep1.items():
         for name, t in tensors.items():
             assert torch.equal(again[filename][name], t), (filename, name)
+
+
+class _Exploit:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_tampered_trainer_state_cannot_run_code_on_resume(tmp_path):
+    """``trainer_state.pt`` is unpickled with weights_only=True: a crafted pickle is refused (a
+    CheckpointError naming the file) and its payload never runs."""
+    import torch
+
+    from megatron_grpo.resume import read_trainer_state
+
+    marker = tmp_path / "pwned"
+    torch.save({"step": 1, "payload": _Exploit(str(marker))}, tmp_path / ckpt.STATE_FILE)
+    with pytest.raises(ckpt.CheckpointError, match=ckpt.STATE_FILE):
+        read_trainer_state(str(tmp_path))
+    assert not marker.exists()
+    torch.save({"step": 3, "rng": [{"torch": torch.get_rng_state()}], "parity": {"sequences": [[1, 2]],
+                "prompt_lens": [1], "baseline": {"sync/logprob_abs_diff_mean": 1e-7}}}, tmp_path / ckpt.STATE_FILE)
+    assert read_trainer_state(str(tmp_path))["step"] == 3  # what the trainer saves loads as plain data

@@ -93,3 +93,19 @@ def test_dry_run_rejects_impossible_layout():
     out = subprocess.run([sys.executable, "-m", "megatron_grpo", "train", "recipes/grpo-qwen3-235b-a22b-8x8gpu.yaml",
                           "--dry-run", "--world-size", "12"], capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert out.returncode != 0 and "does not divide" in out.stdout + out.stderr
+
+
+def test_a_file_that_is_not_a_recipe_is_named_without_echoing_it(tmp_path):
+    secret = tmp_path / "passwd"
+    secret.write_text("root:x:0:0:root:/root:/bin/bash\ndaemon:x:1:1:daemon:/usr/sbin:/usr/sbin/nologin\n")
+    child = tmp_path / "child.yaml"
+    child.write_text(f"defaults: {secret}\n")
+    for path in (child, secret):
+        with pytest.raises(ValueError, match="not a recipe") as err:
+            load_recipe(str(path))
+        assert "root:x" not in str(err.value) and "daemon" not in str(err.value)
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("policy: {a: [1, 2\nsecret_value: 42\n")
+    with pytest.raises(ValueError, match=r"not a recipe: cannot parse it as YAML \(line") as err:
+        load_recipe(str(broken))
+    assert "secret_value" not in str(err.value)

@@ -14,12 +14,20 @@ def test_jsonl_prompts_text_and_ids(tmp_path, tiny_dense):
     assert len(prompts) == 2 and prompts[1] == [3, 4] and len(prompts[0]) > 0
 
 
-@pytest.mark.parametrize("content, match", [("{bad json", "not JSON"), ('{"x": 1}', "needs 'prompt'"), ("", "no prompts")])
+@pytest.mark.parametrize("content, match", [
+    (b"{bad json", "p.jsonl:1: not JSON"), (b'{"x": 1}', "p.jsonl:1: needs 'prompt'"), (b"", "no prompts"),
+    (b'{"prompt_token_ids": [1]}\n{"prompt": "caf\xe9"}', "p.jsonl:2: not UTF-8"),
+    (b'{"prompt_token_ids": [1, 2048]}', "p.jsonl:1: token id 2048 is outside the vocabulary"),
+    (b'{"prompt_token_ids": [1, -1]}', "p.jsonl:1: token id -1"),
+    (b'{"prompt_token_ids": ["1"]}', "p.jsonl:1: 'prompt_token_ids' must be a list of integers"),
+    (b'{"prompt_token_ids": [1, 2, 3, 4]}', "p.jsonl:1: prompt of 4 tokens leaves no room.*max_model_len=4"),
+    (b"[1, 2]", "p.jsonl:1: needs a JSON object"),
+])
 def test_bad_prompt_files_name_the_file(tmp_path, content, match):
     path = tmp_path / "p.jsonl"
-    path.write_text(content)
+    path.write_bytes(content)
     with pytest.raises(ValueError, match=match):
-        load_prompts(str(path), "/nonexistent", 0, 1024, 0)
+        load_prompts(str(path), "/nonexistent", 0, 1024, 0, max_model_len=4)
     with pytest.raises(FileNotFoundError, match="data.prompts_file"):
         load_prompts(str(tmp_path / "missing.jsonl"), "/nonexistent", 0, 1024, 0)
 
