@@ -6,26 +6,33 @@ TP/EP layout loads at any other; the same files are a ready HF export. Trainer s
 (step, policy version, data position, RNG states of every rank, loss scaler,
 staleness counters) goes to ``trainer_state.pt``. A checkpoint is written to a
 temporary folder, fsynced, described by ``manifest.json`` (size and sha256 of every
-file) and renamed into place; the ``latest`` pointer is replaced last. Loading verifies
-the manifest: a truncated or corrupt file is an error naming it, and with
-``fallback_to_previous`` the newest intact earlier checkpoint is used instead.
+file) and renamed into place; the ``latest`` pointer is replaced last. A failed write (a
+full disk) is a ``CheckpointError`` naming the file, and the partial temporary folder is
+removed. Loading verifies the pointer and the manifest: an empty or garbled ``latest``, a
+``latest`` naming a deleted folder, an empty, garbled or malformed ``manifest.json``, a
+missing, truncated or corrupt file are each a ``CheckpointError`` naming the file, and with
+``fallback_to_previous`` the newest intact earlier checkpoint is used instead (with a
+warning naming what was skipped and why).
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import json
 import logging
 import os
 import shutil
-from typing import Dict, List, Optional
+import string
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
 logger = logging.getLogger(__name__)
 
 MODEL_FILE, EXP_AVG_FILE, EXP_AVG_SQ_FILE = "model.safetensors", "optim_exp_avg.safetensors", "optim_exp_avg_sq.safetensors"
-STATE_FILE, MANIFEST = "trainer_state.pt", "manifest.json"
+STATE_FILE, MANIFEST, POINTER = "trainer_state.pt", "manifest.json", "latest"
 
 
 class CheckpointError(RuntimeError):
@@ -47,12 +54,29 @@ def list_checkpoints(root: str) -> List[int]:
     return sorted(steps)
 
 
+def read_pointer(root: str) -> Optional[int]:
+    """The step the ``latest`` pointer names, or None without a pointer; a ``CheckpointError``
+    naming the pointer when it is unreadable, empty or not a step number."""
+    pointer = os.path.join(root, POINTER)
+    if not os.path.isfile(pointer):
+        return None
+    try:
+        with open(pointer, "rb") as f:
+            text = f.read().decode("utf-8", errors="replace").strip()
+    except OSError as exc:
+        raise CheckpointError(f"checkpoint pointer {pointer} cannot be read: {exc}") from exc
+    if not text:
+        raise CheckpointError(f"checkpoint pointer {pointer} is empty (expected a step number)")
+    if not (text.isascii() and text.isdigit()):
+        raise CheckpointError(f"checkpoint pointer {pointer} does not hold a step number: {text[:40]!r}")
+    return int(text)
+
+
 def latest_step(root: str) -> Optional[int]:
     """The step named by the ``latest`` pointer (or the newest folder if the pointer is missing)."""
-    pointer = os.path.join(root, "latest")
-    if os.path.isfile(pointer):
-        with open(pointer) as f:
-            return int(f.read().strip())
+    step = read_pointer(root)
+    if step is not None:
+        return step
     steps = list_checkpoints(root)
     return steps[-1] if steps else None
 
@@ -73,66 +97,186 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def finalize_dir(tmp: str, root: str, step: int, keep_last_n: int) -> str:
-    """Writes the manifest, renames ``tmp`` into place, moves ``latest``, prunes old checkpoints."""
+def write_failure(path: str, exc: BaseException, removed: str) -> CheckpointError:
+    """A ``CheckpointError`` naming the file ``path`` whose write failed (a full disk is said so)."""
+    text = str(exc)
+    full = getattr(exc, "errno", None) == errno.ENOSPC or "No space left" in text or "os error 28" in text
+    why = f"the disk is full (ENOSPC: {text})" if full else f"{type(exc).__name__}: {text}"
+    return CheckpointError(f"cannot write checkpoint file {path}: {why}; removed the partial {removed}")
+
+
+@contextlib.contextmanager
+def _removed_on_failure(path: str, partial: str):
+    """Any failure while writing ``path`` (OSError, torch's RuntimeError, SafetensorError) removes
+    ``partial`` (a temporary folder or file) and becomes a ``CheckpointError`` naming ``path``."""
+    try:
+        yield
+    except Exception as exc:  # noqa: BLE001 - every write failure leaves a partial file behind
+        if os.path.isdir(partial):
+            shutil.rmtree(partial, ignore_errors=True)
+        elif os.path.lexists(partial):
+            os.remove(partial)
+        raise write_failure(path, exc, partial) from exc
+
+
+def _write_synced(path: str, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _manifest(tmp: str, step: int) -> Dict:
     files = sorted(f for f in os.listdir(tmp) if f != MANIFEST)
-    manifest = {"step": step, "files": {f: {"bytes": os.path.getsize(os.path.join(tmp, f)),
-                                            "sha256": _sha256(os.path.join(tmp, f))} for f in files}}
-    with open(os.path.join(tmp, MANIFEST), "w") as f:
-        json.dump(manifest, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    _fsync_dir(tmp)
-    final = step_dir(root, step)
-    if os.path.isdir(final):
-        shutil.rmtree(final)
-    os.replace(tmp, final)
+    return {"step": step, "files": {f: {"bytes": os.path.getsize(os.path.join(tmp, f)),
+                                        "sha256": _sha256(os.path.join(tmp, f))} for f in files}}
+
+
+def finalize_dir(tmp: str, root: str, step: int, keep_last_n: int) -> str:
+    """Writes the manifest, renames ``tmp`` into place, moves ``latest``, prunes old checkpoints.
+    A failed write is a ``CheckpointError`` naming the file: before the rename ``tmp`` is removed;
+    after it the checkpoint is complete and ``latest`` still names the previous one."""
+    final, manifest = step_dir(root, step), os.path.join(tmp, MANIFEST)
+    with _removed_on_failure(manifest, tmp):
+        _write_synced(manifest, json.dumps(_manifest(tmp, step), indent=1))
+        _fsync_dir(tmp)
+        if os.path.isdir(final):
+            shutil.rmtree(final)
+        os.replace(tmp, final)
     pointer_tmp = os.path.join(root, f".latest.tmp{os.getpid()}")
-    with open(pointer_tmp, "w") as f:
-        f.write(str(step))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(pointer_tmp, os.path.join(root, "latest"))
-    _fsync_dir(root)
+    with _removed_on_failure(os.path.join(root, POINTER), pointer_tmp):
+        _write_synced(pointer_tmp, str(step))
+        os.replace(pointer_tmp, os.path.join(root, POINTER))
+        _fsync_dir(root)
     for old in list_checkpoints(root)[:-keep_last_n] if keep_last_n > 0 else []:
         shutil.rmtree(step_dir(root, old), ignore_errors=True)
     return final
 
 
-def verify(path: str) -> None:
-    """Raises ``CheckpointError`` naming the first missing, truncated or corrupt file of ``path``."""
+class CheckpointWriter:
+    """Rank 0's writes of one checkpoint into its temporary folder ``tmp``. The first failure (a
+    full disk) removes ``tmp`` and is kept in ``error``, a ``CheckpointError`` naming the file;
+    later writes are skipped, so every rank still joins the collectives between the writes."""
+
+    def __init__(self, tmp: str, active: bool):
+        self.tmp, self.active, self.error = tmp, active, None
+        if active:
+            shutil.rmtree(tmp, ignore_errors=True)
+            self._attempt(tmp, lambda path: os.makedirs(path))
+
+    @property
+    def writing(self) -> bool:
+        return self.active and self.error is None
+
+    def write(self, name: str, write: Callable[[str], None]) -> None:
+        """``write(path)`` for the checkpoint file ``name``, unless an earlier write failed."""
+        if self.writing:
+            self._attempt(os.path.join(self.tmp, name), write)
+
+    def finalize(self, root: str, step: int, keep_last_n: int) -> Optional[str]:
+        """``finalize_dir`` unless a write failed; the final folder, or None."""
+        if not self.writing:
+            return None
+        try:
+            return finalize_dir(self.tmp, root, step, keep_last_n)
+        except CheckpointError as exc:
+            self.error = exc
+            return None
+
+    def _attempt(self, path: str, write: Callable[[str], None]) -> None:
+        try:
+            with _removed_on_failure(path, self.tmp):
+                write(path)
+        except CheckpointError as exc:
+            self.error = exc
+
+
+def read_manifest(path: str) -> Dict[str, Dict]:
+    """The ``files`` table of checkpoint ``path``'s manifest; a ``CheckpointError`` naming the
+    manifest (and the key) when it is missing, unreadable, empty, not JSON or malformed."""
     manifest_path = os.path.join(path, MANIFEST)
     if not os.path.isfile(manifest_path):
         raise CheckpointError(f"checkpoint {path} is partial: no {MANIFEST}")
-    with open(manifest_path) as f:
-        manifest = json.load(f)
-    for name, meta in manifest["files"].items():
+    try:
+        with open(manifest_path, "rb") as f:
+            data = f.read()
+        manifest = json.loads(data) if data.strip() else None
+    except OSError as exc:
+        raise CheckpointError(f"checkpoint manifest {manifest_path} cannot be read: {exc}") from exc
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError
+        raise CheckpointError(f"checkpoint manifest {manifest_path} is not valid JSON: {exc}") from exc
+    if manifest is None:
+        raise CheckpointError(f"checkpoint manifest {manifest_path} is empty")
+    files = manifest.get("files") if isinstance(manifest, dict) else None
+    if not isinstance(files, dict) or not files:
+        raise CheckpointError(f"checkpoint manifest {manifest_path}: key 'files' is missing, empty or not an object")
+    for name, meta in files.items():
+        _check_entry(manifest_path, name, meta)
+    return files
+
+
+def _check_entry(manifest_path: str, name: str, meta) -> None:
+    plain = name not in ("", ".", "..", MANIFEST) and os.path.basename(name) == name
+    size = meta.get("bytes") if isinstance(meta, dict) else None
+    digest = meta.get("sha256") if isinstance(meta, dict) else None
+    if not plain:
+        raise CheckpointError(f"checkpoint manifest {manifest_path}: key 'files.{name}' is not a file name")
+    if type(size) is not int or size < 0 or not isinstance(digest, str) or len(digest) != 64 \
+            or not set(digest) <= set(string.hexdigits):
+        raise CheckpointError(f"checkpoint manifest {manifest_path}: key 'files.{name}' needs 'bytes' (an integer) "
+                              f"and 'sha256' (64 hex digits), not {str(meta)[:80]}")
+
+
+def verify(path: str) -> None:
+    """Raises ``CheckpointError`` naming the broken manifest or the first missing, truncated or
+    corrupt file of ``path``."""
+    for name, meta in read_manifest(path).items():
         file = os.path.join(path, name)
         if not os.path.isfile(file):
             raise CheckpointError(f"checkpoint file {file} is missing")
-        if os.path.getsize(file) != meta["bytes"]:
-            raise CheckpointError(f"checkpoint file {file} is truncated ({os.path.getsize(file)} of {meta['bytes']} bytes)")
-        if _sha256(file) != meta["sha256"]:
+        try:
+            size = os.path.getsize(file)
+            digest = _sha256(file) if size == meta["bytes"] else None
+        except OSError as exc:
+            raise CheckpointError(f"checkpoint file {file} cannot be read: {exc}") from exc
+        if size != meta["bytes"]:
+            raise CheckpointError(f"checkpoint file {file} is truncated ({size} of {meta['bytes']} bytes)")
+        if digest != meta["sha256"].lower():
             raise CheckpointError(f"checkpoint file {file} is corrupt (sha256 mismatch)")
 
 
+def _pointer_target(root: str) -> Tuple[Optional[int], Optional[str]]:
+    """``(step named by latest, problem)``: a broken pointer or one naming a missing folder is a problem."""
+    try:
+        step = read_pointer(root)
+    except CheckpointError as exc:
+        return None, str(exc)
+    if step is not None and not os.path.isdir(step_dir(root, step)):
+        return step, (f"checkpoint pointer {os.path.join(root, POINTER)} names step {step}, "
+                      f"but {step_dir(root, step)} does not exist")
+    return step, None
+
+
 def resolve_for_load(root: str, fallback_to_previous: bool) -> Optional[str]:
-    """The checkpoint folder to resume from (verified), or None when there is none."""
-    step = latest_step(root)
-    if step is None:
+    """The checkpoint folder to resume from (verified), or None when there is none. A broken
+    pointer or checkpoint is a ``CheckpointError`` naming the file; with ``fallback_to_previous``
+    the newest intact earlier checkpoint is used, with a warning naming what was skipped and why."""
+    newest, problem = _pointer_target(root)
+    errors = [problem] if problem else []
+    steps = [s for s in list_checkpoints(root) if newest is None or s <= newest][::-1]
+    if not steps and not errors:
         return None
-    candidates = [s for s in list_checkpoints(root) if s <= step][::-1]
-    errors = []
-    for s in candidates if fallback_to_previous else candidates[:1]:
+    for s in steps if fallback_to_previous else ([] if errors else steps[:1]):
         try:
             verify(step_dir(root, s))
-            if errors:
-                logger.warning("using checkpoint step %d; newer ones failed: %s", s, "; ".join(errors))
-            return step_dir(root, s)
         except CheckpointError as exc:
             errors.append(str(exc))
+            continue
+        if errors:
+            logger.warning("resuming from %s; skipped newer checkpoint state: %s", step_dir(root, s), "; ".join(errors))
+        return step_dir(root, s)
     hint = "" if fallback_to_previous else " (set checkpointing.fallback_to_previous=true to use an earlier one)"
-    raise CheckpointError("; ".join(errors) + hint if errors else f"no checkpoint under {root}")
+    raise CheckpointError("; ".join(errors) + hint)
 
 
 def rng_state() -> Dict:

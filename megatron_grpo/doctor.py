@@ -9,11 +9,12 @@ Diagnostics read files, not live objects, so they work on any past run. Threshol
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence
+
+from megatron_grpo.metrics_logger import read_metrics_rows
 
 PHANTOM_ZERO_GRAD = 0.01
 """Phantom clipping is a problem when it zeroes more than 1% of token gradients (mean over steps)."""
@@ -48,8 +49,7 @@ def read_metrics(run_dir: str) -> List[Dict[str, Any]]:
     path = run_dir if run_dir.endswith(".jsonl") else os.path.join(run_dir, "metrics.jsonl")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{path}: no metrics.jsonl (is this a run's logger.log_dir?)")
-    with open(path) as f:
-        rows = [json.loads(line) for line in f if line.strip()]
+    rows = read_metrics_rows(path)
     return [{k: (math.nan if v is None else v) for k, v in row.items()} for row in rows]
 
 

@@ -5,6 +5,8 @@
 - ``MEGATRON_GRPO_FAULT_NAN_STEP=N``: one NaN in the first micro-batch's log-probs at step N.
 - ``MEGATRON_GRPO_FAULT_KILL_GENERATOR_STEP=N``: SIGKILL the generator (vLLM process or
   server) just before step N generates - a generator crash.
+- ``MEGATRON_GRPO_FAULT_KILL_GENERATOR=phase:N[,phase:N ...]``: SIGKILL the generator just
+  before step N's ``generate``, weight ``push`` or parity ``probe``.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch
 KILL_AFTER_STEP = "MEGATRON_GRPO_FAULT_KILL_AFTER_STEP"
 NAN_AT_STEP = "MEGATRON_GRPO_FAULT_NAN_STEP"
 KILL_GENERATOR_STEP = "MEGATRON_GRPO_FAULT_KILL_GENERATOR_STEP"
+KILL_GENERATOR = "MEGATRON_GRPO_FAULT_KILL_GENERATOR"
 _generator_killed = set()
 
 
@@ -41,9 +44,17 @@ def maybe_nan(step: int, microbatch: int, log_probs: torch.Tensor, mask: torch.T
     return log_probs + poison
 
 
-def maybe_kill_generator(step: int, engine) -> None:
-    """Kills the engine's process once when armed for ``step`` (rank 0 only holds an engine)."""
-    if engine is None or env_step(KILL_GENERATOR_STEP) != step or step in _generator_killed:
+def _armed_generator_kills() -> set:
+    armed = {("generate", env_step(KILL_GENERATOR_STEP))}
+    for item in filter(None, os.environ.get(KILL_GENERATOR, "").split(",")):
+        phase, _, step = item.partition(":")
+        armed.add((phase.strip(), int(step)))
+    return armed
+
+
+def maybe_kill_generator(step: int, engine, phase: str = "generate") -> None:
+    """Kills the engine's process once when armed for (``phase``, ``step``) (rank 0 only holds an engine)."""
+    if engine is None or (phase, step) not in _armed_generator_kills() or (phase, step) in _generator_killed:
         return
-    _generator_killed.add(step)
+    _generator_killed.add((phase, step))
     engine.kill_process()

@@ -1,22 +1,70 @@
 """Per-step metrics: one host sync, then metrics.jsonl (appended, flushed), TensorBoard, progress bar,
-and optionally Weights & Biases / MLflow (imported only when chosen)."""
+and optionally Weights & Biases / MLflow (imported only when chosen). ``read_metrics_rows`` is the one
+reader of metrics.jsonl (torch-free, for the doctor, plots, summary and sweep tools)."""
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import pathlib
 import time
 from typing import Any, Dict, List, Optional, Sequence
 
-import torch
+logger = logging.getLogger(__name__)
+
+
+def read_metrics_rows(path: str, *, repair: bool = False) -> List[Dict[str, Any]]:
+    """The rows (JSON objects) of the metrics file ``path``. The writer appends each row with one
+    write + flush + fsync, so a crash or a full disk can tear only the last line: a torn (unparsable)
+    last line is dropped with a warning naming the file and line, and with ``repair`` the file is
+    truncated before it (and a last row missing its newline gets one). An unparsable line before the
+    last is a ValueError naming the file and line (the file was edited or damaged otherwise)."""
+    with open(path, "rb") as f:
+        lines = f.read().split(b"\n")
+    numbered = [(i + 1, line) for i, line in enumerate(lines) if line.strip()]
+    rows = []
+    for lineno, line in numbered:
+        row = _parse_row(line)
+        if row is None and lineno != numbered[-1][0]:
+            raise ValueError(f"{path} line {lineno}: not a JSON object ({line[:60]!r}); only the last line can be "
+                             f"torn by a crash, so this file was damaged otherwise: fix or remove that line")
+        if row is None:
+            logger.warning("%s line %d: torn last row (%d bytes, a crash or full disk mid-write) %s", path, lineno,
+                           len(line), "removed: file truncated" if repair else "ignored")
+            if repair:
+                _truncate_at_line(path, lines, lineno - 1)
+            return rows
+        rows.append(row)
+    if repair and numbered and numbered[-1][0] == len(lines):  # a complete last row without its newline
+        with open(path, "ab") as f:
+            f.write(b"\n")
+    return rows
+
+
+def _parse_row(line: bytes) -> Optional[Dict[str, Any]]:
+    try:
+        row = json.loads(line)
+    except ValueError:  # JSONDecodeError, UnicodeDecodeError
+        return None
+    return row if isinstance(row, dict) else None
+
+
+def _truncate_at_line(path: str, lines: List[bytes], index: int) -> None:
+    """Cuts ``path`` before line ``index`` (0-based) of its ``lines`` and fsyncs it."""
+    with open(path, "r+b") as f:
+        f.truncate(sum(len(line) + 1 for line in lines[:index]))
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def stack_metrics(metrics: Dict[str, object]):
     """``(names, values [n] float64)``: the tensor metrics stacked where they live. Every one must
     be on the same device (the model's): a stray CPU tensor among CUDA ones is named here,
     instead of costing a host sync of its own or failing inside ``torch.stack``."""
+    import torch
+
     names = [k for k, v in metrics.items() if isinstance(v, torch.Tensor)]
     if not names:
         return names, None
@@ -31,6 +79,8 @@ def stack_metrics(metrics: Dict[str, object]):
 
 def to_host(metrics: Dict[str, object]) -> Dict[str, float]:
     """Converts a dict of 0-dim tensors / numbers to floats with a single device->host copy."""
+    import torch
+
     names, stacked = stack_metrics(metrics)
     values = stacked.tolist() if names else []
     out = {k: float(v) for k, v in metrics.items() if not isinstance(v, torch.Tensor)}
@@ -64,21 +114,26 @@ class MetricsLogger:
             self._bar = tqdm(total=total_steps, initial=start_step, desc="GRPO", dynamic_ncols=True)
 
     def _drop_rows_after(self, checkpoint_step: int) -> None:
-        """On resume, rows of steps after the checkpoint (to be recomputed) are removed; one row per step."""
+        """On resume, rows of steps after the checkpoint (to be recomputed) are removed, and a torn
+        last row (a crash or full disk mid-write) is dropped; one row per step."""
         if not os.path.isfile(self.path):
             return
-        with open(self.path) as f:
-            rows = [line for line in f if line.strip() and json.loads(line).get("step", 0) <= checkpoint_step]
+        rows = read_metrics_rows(self.path, repair=True)
+        kept = [row for row in rows if row.get("step", 0) <= checkpoint_step]
+        if len(kept) == len(rows):
+            return
         tmp = self.path + ".tmp"
         with open(tmp, "w") as f:
-            f.writelines(rows)
+            f.writelines(json.dumps(row) + "\n" for row in kept)
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(tmp, self.path)
 
     def log(self, step: int, metrics: Dict[str, float]) -> None:
         if not self.enabled:
             return
         row = {"step": step, **{k: (v if math.isfinite(v) else None) for k, v in metrics.items()}}
-        self._file.write(json.dumps(row) + "\n")
+        self._file.write(json.dumps(row) + "\n")  # one write, flushed and fsynced: a crash tears only this row
         self._file.flush()
         os.fsync(self._file.fileno())
         if self._tb is not None:

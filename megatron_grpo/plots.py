@@ -21,6 +21,8 @@ import math
 import os
 from typing import Dict, List
 
+from megatron_grpo.metrics_logger import read_metrics_rows
+
 _PLT = None
 
 
@@ -59,8 +61,7 @@ def load_runs(paths: List[str]) -> Dict[str, List[dict]]:
     for f in files:
         folder = os.path.dirname(os.path.abspath(f))
         label = os.path.relpath(folder, root) if root and folder != root else os.path.basename(folder)
-        with open(f) as fh:
-            runs[label] = [json.loads(line) for line in fh if line.strip()]
+        runs[label] = read_metrics_rows(f)
     return runs
 
 

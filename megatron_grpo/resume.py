@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 from typing import Optional
 
 import torch
@@ -17,45 +16,49 @@ from megatron_grpo.parallel import comm
 logger = logging.getLogger(__name__)
 
 
-def _gather_to_file(model, shape, source, path: Optional[str]) -> None:
-    """Collective export of per-parameter tensors; rank 0 writes them as HF-named safetensors."""
-    from safetensors.torch import save_file
-
+def _gather(model, shape, source, keep: bool) -> Optional[dict]:
+    """Collective export of per-parameter tensors (every rank joins); HF-named copies where ``keep``."""
     tensors = {}
     for name, tensor in export_hf_tensors(model, shape, include_tied_lm_head=False, source=source):
-        if path is not None:
+        if keep:
             tensors[name] = tensor.detach().float().contiguous().clone()
-    if path is not None:
-        save_file(tensors, path)
+    return tensors if keep else None
 
 
 def save_checkpoint(trainer) -> str:
-    """Writes step ``trainer.step`` atomically under ``checkpointing.checkpoint_dir``; returns its folder."""
+    """Writes step ``trainer.step`` atomically under ``checkpointing.checkpoint_dir``; returns its folder.
+    A failed write on rank 0 (a full disk) removes the partial folder and, after the collectives,
+    raises on every rank a ``CheckpointError`` naming the file."""
+    from safetensors.torch import save_file
+
     ctx, cfg = trainer.ctx, trainer.cfg.checkpointing
-    root, rank0 = cfg.checkpoint_dir, ctx.rank == 0
-    tmp = os.path.join(root, f".step_{trainer.step:07d}.tmp")
-    if rank0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
+    out = ckpt.CheckpointWriter(os.path.join(cfg.checkpoint_dir, f".step_{trainer.step:07d}.tmp"), ctx.rank == 0)
     opt = ctx.optimizer
     files = {ckpt.MODEL_FILE: lambda n, p: opt.master_of(p),
              ckpt.EXP_AVG_FILE: lambda n, p: opt.moment(p, "exp_avg"),
              ckpt.EXP_AVG_SQ_FILE: lambda n, p: opt.moment(p, "exp_avg_sq")}
     for filename, source in files.items():
-        _gather_to_file(ctx.model, ctx.shape, source, os.path.join(tmp, filename) if rank0 else None)
+        tensors = _gather(ctx.model, ctx.shape, source, keep=out.writing)
+        out.write(filename, lambda path, tensors=tensors: save_file(tensors, path))
     rngs = [None] * dist.get_world_size()
     dist.all_gather_object(rngs, ckpt.rng_state())
-    final = None
-    if rank0:
-        torch.save({"step": trainer.step, "version": trainer.version, "data_position": ctx.sampler.position,
-                    "dropped_stale": trainer.gate.dropped, "adam_step": opt.adam_step(),
-                    "scaler": opt.scaler.state_dict() if opt.scaler else None, "rng": rngs,
-                    "consecutive_skips": trainer.consecutive_skips, "parity": _parity_state(trainer)},
-                   os.path.join(tmp, ckpt.STATE_FILE))
-        final = ckpt.finalize_dir(tmp, root, trainer.step, cfg.keep_last_n)
+    out.write(ckpt.STATE_FILE, lambda path: torch.save(_trainer_state(trainer, rngs), path))
+    final = out.finalize(cfg.checkpoint_dir, trainer.step, cfg.keep_last_n)
+    if final:
         logger.info("saved checkpoint %s", final)
     dist.barrier()
-    return comm.broadcast_object(final)
+    result = comm.broadcast_object(out.error or final)
+    if isinstance(result, Exception):
+        raise result
+    return result
+
+
+def _trainer_state(trainer, rngs) -> dict:
+    opt = trainer.ctx.optimizer
+    return {"step": trainer.step, "version": trainer.version, "data_position": trainer.ctx.sampler.position,
+            "dropped_stale": trainer.gate.dropped, "adam_step": opt.adam_step(),
+            "scaler": opt.scaler.state_dict() if opt.scaler else None, "rng": rngs,
+            "consecutive_skips": trainer.consecutive_skips, "parity": _parity_state(trainer)}
 
 
 def find_resume_dir(trainer) -> Optional[str]:
@@ -112,7 +115,7 @@ def load_checkpoint(trainer, path: str) -> None:
 def _parity_state(trainer) -> Optional[dict]:
     """The parity probe's sequences and baseline (plain lists / floats), so a resumed run keeps
     comparing against the first probe of the run."""
-    if trainer.probe is None:
+    if getattr(trainer, "probe", None) is None:
         return None
     return {"sequences": trainer.probe.sequences, "prompt_lens": trainer.probe.prompt_lens,
             "baseline": trainer.parity_baseline}

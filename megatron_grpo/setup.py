@@ -109,7 +109,7 @@ def build_context(cfg: Config) -> TrainContext:
     tokenizer = load_tokenizer(model_dir)
     eos_id = _eos_id(model_dir, tokenizer)
     prompts = load_prompts(cfg.data.prompts_file, model_dir, cfg.data.num_synthetic_prompts, shape.vocab_size,
-                           cfg.grpo.seed)
+                           cfg.grpo.seed, max_model_len=cfg.generation.max_model_len)
     rank = dist.get_rank()
     engine = _build_engine(cfg, model_dir, shape) if rank == 0 else None
     return TrainContext(
@@ -173,7 +173,8 @@ def _build_engine(cfg: Config, model_dir: str, shape):
 
     g, p = cfg.generation, cfg.policy.precision
     engine_cls = ROLLOUT_ENGINES.get(g.backend)
-    extra = dict(url=g.server_url, retry_timeout_s=g.retry_timeout_s) if g.backend == "vllm_server" else {}
+    extra = dict(url=g.server_url, retry_timeout_s=g.retry_timeout_s,  # the server's log lives with the run's
+                 log_path=os.path.join(cfg.logger.log_dir, "vllm-server.log")) if g.backend == "vllm_server" else {}
     if cfg.policy.megatron_cfg.moe_routing_replay == "R3":
         extra["return_routed_experts"] = True
     return engine_cls(model_dir, to_dtype(p.generation_dtype), max_model_len=g.max_model_len, seed=cfg.grpo.seed,

@@ -21,6 +21,10 @@ from megatron_grpo.parallel.state import Layout
 
 logger = logging.getLogger(__name__)
 
+PREEMPTED_EXIT_CODE = 75
+"""Exit status of a run stopped by SIGTERM/SIGINT after its checkpoint (EX_TEMPFAIL: unfinished,
+resume it); a scheduler can tell it from success (0) and from errors (1, 2)."""
+
 
 def layout_of(cfg: Config, world_size: int) -> Layout:
     m = cfg.policy.megatron_cfg
@@ -54,6 +58,8 @@ class GRPOTrainer:
         self.gate = StalenessGate(cfg.generation.max_staleness)
         self._pending = collections.deque()
         """Handles of generations submitted ahead, for steps step+1, step+2, ... (async)."""
+        self._planned: Dict[int, tuple] = {}
+        """(prompts, sampling) of each submitted step index until it trains (retries reuse them)."""
         self._stop_requested, self._last_push_names = False, []
         self.probe, self.parity_baseline = None, None
         self._timing: Dict[str, float] = {}
@@ -76,15 +82,17 @@ class GRPOTrainer:
         self.push_weights(probe=False)
         return True
 
-    def train(self) -> None:
-        """Runs ``grpo.max_num_steps`` steps; SIGTERM/SIGINT stop at the next step boundary with a checkpoint."""
+    def train(self) -> int:
+        """Runs ``grpo.max_num_steps`` steps. SIGTERM/SIGINT (on any rank) stop the run at the next
+        step boundary, agreed by every rank, with a checkpoint of the last finished step; returns
+        0, or ``PREEMPTED_EXIT_CODE`` when stopped by a signal (the run is unfinished)."""
         from megatron_grpo import faults
 
         self._install_signal_handlers()
-        stopped = "error"
+        stopped, saved_at = "error", None
         try:
             self.check_parity(force=True)
-            while self.step < self.cfg.grpo.max_num_steps and not self.stop_requested():
+            while not self.stop_requested() and self.step < self.cfg.grpo.max_num_steps:
                 metrics = self.train_step()
                 self.step += 1
                 self.logger.log(self.step, metrics)
@@ -92,13 +100,16 @@ class GRPOTrainer:
                 self.check_skips(metrics)
                 if self.checkpoint_due():
                     self.save()
+                    saved_at = self.step
                 faults.maybe_kill(self.step)
-            if self.cfg.checkpointing.checkpoint_dir and self.step and not self.checkpoint_due():
-                self.save()
-            stopped = "signal" if self._stop_requested else None
+            if self.cfg.checkpointing.checkpoint_dir and self.step and saved_at != self.step:
+                self.save()  # the final step, or the step a signal stopped at (every rank agreed)
+            # preempted: the agreed stop came before the last step (a later, local signal changes nothing)
+            stopped = "signal" if self._stop_requested and self.step < self.cfg.grpo.max_num_steps else None
         finally:
             self.close()
             self.finish(stopped)
+        return PREEMPTED_EXIT_CODE if stopped == "signal" else 0
 
     def report_findings(self, metrics: Dict[str, float]) -> None:
         """The doctor's checks, live on rank 0: each finding printed once, when it first triggers."""
@@ -122,9 +133,10 @@ class GRPOTrainer:
             logger.warning("could not write the run summary: %s", exc)
 
     def checkpoint_due(self) -> bool:
+        """A periodic save is due: depends on the step only, identical on every rank (a stop request
+        is acted on after the loop, once every rank has agreed on it)."""
         period = self.cfg.checkpointing.save_period
-        return bool(self.cfg.checkpointing.checkpoint_dir) and (
-            (period > 0 and self.step % period == 0) or self.step == self.cfg.grpo.max_num_steps or self._stop_requested)
+        return bool(self.cfg.checkpointing.checkpoint_dir) and period > 0 and self.step % period == 0
 
     def save(self) -> str:
         from megatron_grpo.resume import save_checkpoint
@@ -232,13 +244,11 @@ class GRPOTrainer:
             status, value = comm.broadcast_object(result, src=0)
             if status == "ok":
                 return value
-            if attempt == self.cfg.generation.max_restarts:
-                raise GeneratorError(f"generator failed {attempt + 1} times at step {self.step + 1}; last error: {value}")
-            logger.warning("generator failed at step %d (%s); restarting it", self.step + 1, value.splitlines()[0])
-            self.restart_generator()
+            self._recover_generator(attempt, "generation", value)
 
-    def restart_generator(self) -> None:
-        """Rebuilds the engine on rank 0 and re-pushes the current weights (collective)."""
+    def restart_generator(self, push: bool = True) -> None:
+        """Rebuilds the engine on rank 0 and (unless the caller pushes itself) re-pushes the current
+        weights (collective)."""
         from megatron_grpo.setup import _build_engine
 
         self._pending.clear()
@@ -248,7 +258,8 @@ class GRPOTrainer:
             except Exception:  # noqa: BLE001 - it is already broken
                 pass
             self.ctx.engine = _build_engine(self.cfg, self.ctx.model_dir, self.ctx.shape)
-        self.push_weights(probe=False)
+        if push:
+            self.push_weights(probe=False)
 
     def _collect_fresh(self):
         from megatron_grpo import faults
@@ -258,6 +269,7 @@ class GRPOTrainer:
             handle = self._pending.popleft() if self._pending else self._submit(self.step)
             rollouts = self.ctx.engine.collect(handle)
             if self.gate.accept(rollouts.items[0].policy_version, self.version, len(rollouts)):
+                self._planned = {k: v for k, v in self._planned.items() if k > self.step}
                 return rollouts
 
     def _submit_ahead(self) -> None:
@@ -270,12 +282,18 @@ class GRPOTrainer:
             self._pending.append(self._submit(step))
 
     def _submit(self, step: int):
+        """Submits the generation of step index ``step`` (0-based). Its prompts and seeds are drawn
+        once and kept until the step trains: a retry after a generator crash, or a regeneration of
+        stale rollouts, asks for the very same prompts and seeds (no prompt is skipped)."""
         from megatron_grpo.rollout import Sampling
 
-        g = self.cfg.generation
-        prompts = self.ctx.sampler.next(self.cfg.grpo.num_prompts_per_step)
-        sampling = Sampling(max_tokens=g.max_new_tokens, temperature=g.temperature, top_p=g.top_p, top_k=g.top_k,
-                            seed=self.cfg.grpo.seed * 1_000_003 + step * 10_007, stop_token_ids=(self.ctx.eos_id,))
+        if step not in self._planned:
+            g = self.cfg.generation
+            prompts = self.ctx.sampler.next(self.cfg.grpo.num_prompts_per_step)
+            self._planned[step] = (prompts, Sampling(
+                max_tokens=g.max_new_tokens, temperature=g.temperature, top_p=g.top_p, top_k=g.top_k,
+                seed=self.cfg.grpo.seed * 1_000_003 + step * 10_007, stop_token_ids=(self.ctx.eos_id,)))
+        prompts, sampling = self._planned[step]
         return self.ctx.engine.submit_generate(prompts, self.cfg.grpo.num_generations_per_prompt, sampling)
 
     def score(self, rollouts) -> torch.Tensor:
@@ -284,18 +302,33 @@ class GRPOTrainer:
         ids = [r.completion_ids for r in rollouts]
         texts = self.ctx.decode(ids)
         return compute_rewards(self.ctx.reward_fn, self.cfg.reward.name, self.step + 1, ids, texts,
-                               [r.prompt_ids for r in rollouts])
+                               [r.prompt_ids for r in rollouts], timeout_s=self.cfg.reward.timeout_s)
 
     # ---- weights --------------------------------------------------------------------------------------------
 
     def push_weights(self, probe: bool = True) -> Dict[str, torch.Tensor]:
-        """Pushes the new weights to the generator and runs the parity probe when due."""
+        """Pushes the new weights to the generator and runs the parity probe when due. A generator
+        that dies during the push is restarted and pushed to again (agreed by every rank, since
+        the push's gathers are collective), at most ``generation.max_restarts`` times."""
+        from megatron_grpo import faults
+        from megatron_grpo.parallel import comm
+        from megatron_grpo.rollout.vllm_engine import GeneratorError
         from megatron_grpo.rollout.weight_sync import push_weights
 
         started = time.perf_counter()
-        report = push_weights(self.ctx.model, self.ctx.shape, self.ctx.engine, self.version,
-                              dtype=to_dtype(self.cfg.policy.precision.generation_dtype),
-                              bucket_mb=self.cfg.generation.weight_push_bucket_mb)
+        for attempt in range(self.cfg.generation.max_restarts + 1):
+            faults.maybe_kill_generator(self.step + 1, self.ctx.engine, "push")
+            failure = None
+            try:
+                report = push_weights(self.ctx.model, self.ctx.shape, self.ctx.engine, self.version,
+                                      dtype=to_dtype(self.cfg.policy.precision.generation_dtype),
+                                      bucket_mb=self.cfg.generation.weight_push_bucket_mb)
+            except GeneratorError as exc:  # only rank 0 holds the engine
+                failure = str(exc)
+            failure = comm.broadcast_object(failure, src=0)
+            if failure is None:
+                break
+            self._recover_generator(attempt, "the weight push", failure, push=False)
         self._last_push_names = report.names
         out = {"sync/push_s": torch.tensor(report.seconds, device=self.ctx.device)}
         self._timing = {"timing/weight_push_s": time.perf_counter() - started, "timing/parity_s": 0.0}
@@ -305,34 +338,64 @@ class GRPOTrainer:
             self._timing["timing/parity_s"] = time.perf_counter() - started
         return out
 
+    def _recover_generator(self, attempt: int, during: str, error: str, push: bool = True) -> None:
+        """After a generator crash (every rank agrees): restart it, or stop after too many tries."""
+        from megatron_grpo.rollout.vllm_engine import GeneratorError
+
+        if attempt >= self.cfg.generation.max_restarts:
+            raise GeneratorError(f"generator failed {attempt + 1} times during {during} at step {self.step + 1}; "
+                                 f"last error: {error}")
+        logger.warning("generator failed during %s at step %d (%s); restarting it", during, self.step + 1,
+                       error.splitlines()[0])
+        self.restart_generator(push=push)
+
     def check_parity(self, force: bool = False) -> Dict[str, torch.Tensor]:
         """Parity probe (generator vs trainer log-probs on the fixed probe set, temperature 1); the
-        first one records the baseline the later ones are compared with."""
-        from megatron_grpo.parallel import comm
-        from megatron_grpo.rollout.parity import DEFAULT_MAX_TOLERANCE, DEFAULT_TOLERANCE, ParityError, check_parity
+        first one records the baseline the later ones are compared with. A generator that dies
+        during the probe is restarted (weights re-pushed) and probed again."""
+        from megatron_grpo.rollout.parity import ParityError
 
         g = self.cfg.generation
         if g.parity_probe_every == 0 or (not force and self.version % g.parity_probe_every):
             return {}
+        for attempt in range(g.max_restarts + 1):
+            status, value = self._probe_once()
+            if status != "generator":
+                break
+            self._recover_generator(attempt, "the parity probe", value)
+        if status == "parity":
+            raise ParityError(value)
+        if self.parity_baseline is None:
+            self.parity_baseline = dict(value)
+        return {k: torch.tensor(v, device=self.ctx.device) for k, v in value.items()}
+
+    def _probe_once(self):
+        """``(status, value)`` agreed by every rank: ("ok", metrics), ("parity", message) or
+        ("generator", error) when the generator died."""
+        from megatron_grpo import faults
+        from megatron_grpo.parallel import comm
+        from megatron_grpo.rollout.parity import DEFAULT_MAX_TOLERANCE, DEFAULT_TOLERANCE, ParityError, check_parity
+        from megatron_grpo.rollout.vllm_engine import GeneratorError
+
+        g = self.cfg.generation
         gen_dtype = to_dtype(self.cfg.policy.precision.generation_dtype)
         tol = g.parity_tolerance or DEFAULT_TOLERANCE[gen_dtype]
         max_tol = g.parity_max_tolerance or DEFAULT_MAX_TOLERANCE[gen_dtype]
         scores, probe = self.ctx.trainer_scores(gen_dtype), self.parity_probe()
         result = None
         if self.ctx.engine is not None:
+            faults.maybe_kill_generator(self.step + 1, self.ctx.engine, "probe")
             try:
-                result = check_parity(self.ctx.engine, probe, scores, self._last_push_names, tol, self.version,
-                                      max_tolerance=max_tol, baseline=self.parity_baseline, growth=g.parity_growth)
+                result = ("ok", check_parity(self.ctx.engine, probe, scores, self._last_push_names, tol, self.version,
+                                             max_tolerance=max_tol, baseline=self.parity_baseline,
+                                             growth=g.parity_growth))
             except ParityError as exc:
-                result = str(exc)
+                result = ("parity", str(exc))
+            except GeneratorError as exc:
+                result = ("generator", str(exc))
         else:
             scores(probe)  # the trainer forward is collective over TP
-        result = comm.broadcast_object(result, src=0)
-        if isinstance(result, str):
-            raise ParityError(result)
-        if self.parity_baseline is None:
-            self.parity_baseline = dict(result)
-        return {k: torch.tensor(v, device=self.ctx.device) for k, v in result.items()}
+        return comm.broadcast_object(result, src=0)
 
     def parity_probe(self):
         """The probe set, sampled once from the generator at the start (realistic sequences from
@@ -391,5 +454,4 @@ def main(recipe: str, overrides: Sequence[str], dry_run: bool = False, world_siz
         logger.error("%s", exc)
         print(f"error: {exc}", flush=True)
         return 2
-    trainer.train()
-    return 0
+    return trainer.train()

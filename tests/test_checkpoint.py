@@ -1,7 +1,10 @@
 """Checkpoints and faults: exact resume after SIGKILL, TP re-layout, corrupt files, generator crash, NaN."""
 
+import errno
 import json
+import logging
 import os
+import shutil
 
 import pytest
 
@@ -9,7 +12,7 @@ from megatron_grpo import checkpoint as ckpt
 from tests.test_train import run_cli
 
 pytestmark = pytest.mark.vllm
-VOLATILE = ("time/", "sync/push_s")
+VOLATILE = ("time/", "timing/", "sync/push_s")
 
 
 def _stable(row):
@@ -83,12 +86,127 @@ def test_truncated_checkpoint_is_detected_and_fallback_uses_previous(tmp_path):
         ckpt.verify(ckpt.step_dir(root, 9))
 
 
-@pytest.mark.parametrize("backend", ["vllm", "vllm_server"])
-def test_generator_killed_mid_run_recovers_without_corrupting_checkpoints(backend, tmp_path, tiny_dense):
+def _two_checkpoints(tmp_path):
+    root = str(tmp_path)
+    for step in (1, 2):
+        _fake_checkpoint(root, step)
+    return root
+
+
+def _assert_error_then_fallback(root, culprit, caplog, expected=1):
+    """No fallback: a CheckpointError naming ``culprit``; fallback: step ``expected``, warning why."""
+    with pytest.raises(ckpt.CheckpointError, match="fallback_to_previous") as err:
+        ckpt.resolve_for_load(root, fallback_to_previous=False)
+    assert culprit in str(err.value)
+    with caplog.at_level(logging.WARNING, logger="megatron_grpo.checkpoint"):
+        assert ckpt.resolve_for_load(root, fallback_to_previous=True) == ckpt.step_dir(root, expected)
+    assert culprit in caplog.text and f"resuming from {ckpt.step_dir(root, expected)}" in caplog.text
+
+
+@pytest.mark.parametrize("content, why", [
+    (b"", "is empty"), (b"\n \n", "is empty"), (b"\x00\x00\x00", "not valid JSON"),
+    (b'{"step": 2, "fi', "not valid JSON"),
+    (b"[1, 2]", "key 'files'"), (b'{"step": 2}', "key 'files'"), (b'{"files": {}}', "key 'files'"),
+    (b'{"files": {"model.safetensors": {"bytes": 4096}}}', "key 'files.model.safetensors'"),
+    (b'{"files": {"../latest": {"bytes": 1, "sha256": "' + b"0" * 64 + b'"}}}', "is not a file name")])
+def test_broken_manifest_is_a_checkpoint_error_naming_it_and_fallback_covers_it(tmp_path, caplog, content, why):
+    root = _two_checkpoints(tmp_path)
+    manifest = os.path.join(ckpt.step_dir(root, 2), ckpt.MANIFEST)
+    with open(manifest, "wb") as f:
+        f.write(content)
+    with pytest.raises(ckpt.CheckpointError, match=why):
+        ckpt.verify(ckpt.step_dir(root, 2))
+    _assert_error_then_fallback(root, manifest, caplog)
+
+
+@pytest.mark.parametrize("content, why", [(b"", "is empty"), (b"\n", "is empty"), (b"step_2", "not hold a step"),
+                                          (b"-1", "not hold a step"), (b"\xff\xfe", "not hold a step")])
+def test_broken_latest_pointer_is_a_checkpoint_error_naming_it_and_fallback_uses_newest_intact(
+        tmp_path, caplog, content, why):
+    root = _two_checkpoints(tmp_path)
+    pointer = os.path.join(root, "latest")
+    with open(pointer, "wb") as f:
+        f.write(content)
+    with pytest.raises(ckpt.CheckpointError, match=why):
+        ckpt.latest_step(root)
+    _assert_error_then_fallback(root, pointer, caplog, expected=2)
+
+
+def test_latest_naming_a_deleted_folder_is_an_error_not_a_silent_older_resume(tmp_path, caplog):
+    root = _two_checkpoints(tmp_path)
+    shutil.rmtree(ckpt.step_dir(root, 2))
+    _assert_error_then_fallback(root, ckpt.step_dir(root, 2), caplog)
+    shutil.rmtree(ckpt.step_dir(root, 1))
+    with pytest.raises(ckpt.CheckpointError, match="does not exist"):  # nothing to fall back to
+        ckpt.resolve_for_load(root, fallback_to_previous=True)
+
+
+def _disk_full(real, nbytes, when):
+    """A write function that, for the paths ``when`` picks, writes ``nbytes`` then fails as a full disk does."""
+    def write(*args, **kwargs):
+        path = str(args[-1] if real.__name__ == "save_file" else args[0])
+        if not when(path):
+            return real(*args, **kwargs)
+        with open(path, "wb") as f:
+            f.write(b"x" * nbytes)
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    return write
+
+
+def test_full_disk_while_finalizing_names_the_file_and_removes_the_partial_files(tmp_path, monkeypatch):
+    root = _two_checkpoints(tmp_path)
+    real = ckpt._write_synced
+    monkeypatch.setattr(ckpt, "_write_synced", _disk_full(real, 10, lambda path: path.endswith(ckpt.MANIFEST)))
+    with pytest.raises(ckpt.CheckpointError, match="disk is full") as err:
+        _fake_checkpoint(root, 3)
+    tmp = os.path.join(root, ".tmp3")
+    assert os.path.join(tmp, ckpt.MANIFEST) in str(err.value) and not os.path.exists(tmp)
+    monkeypatch.setattr(ckpt, "_write_synced", _disk_full(real, 1, lambda path: ".latest.tmp" in path))
+    with pytest.raises(ckpt.CheckpointError, match="disk is full") as err:
+        _fake_checkpoint(root, 4)
+    assert os.path.join(root, "latest") in str(err.value)
+    assert sorted(os.listdir(root)) == ["latest", "step_0000001", "step_0000002", "step_0000004"]
+    assert ckpt.resolve_for_load(root, fallback_to_previous=False) == ckpt.step_dir(root, 2)  # latest unchanged
+
+
+def _stub_trainer(root):
+    from types import SimpleNamespace as NS
+
+    import torch
+
+    opt = NS(master_of=lambda p: p, moment=lambda p, key: p * 0, adam_step=lambda: 1, scaler=None)
+    ctx = NS(rank=0, optimizer=opt, model=NS(weight=torch.ones(3)), shape=None, sampler=NS(position=5))
+    return NS(ctx=ctx, cfg=NS(checkpointing=NS(checkpoint_dir=root, keep_last_n=3)), step=3, version=3,
+              gate=NS(dropped=0), consecutive_skips=0, probe=None)
+
+
+def test_full_disk_during_save_names_the_file_and_removes_the_temp_folder(tmp_path, monkeypatch, megatron_single):
+    import safetensors.torch
+
+    from megatron_grpo import resume
+
+    root = _two_checkpoints(tmp_path)
+    trainer = _stub_trainer(root)
+    monkeypatch.setattr(resume, "export_hf_tensors",
+                        lambda model, shape, include_tied_lm_head, source: [("w", source("w", model.weight))])
+    real = safetensors.torch.save_file
+    monkeypatch.setattr(safetensors.torch, "save_file", _disk_full(real, 100, lambda p: p.endswith(ckpt.EXP_AVG_FILE)))
+    with pytest.raises(ckpt.CheckpointError, match="disk is full") as err:
+        resume.save_checkpoint(trainer)
+    tmp = os.path.join(root, ".step_0000003.tmp")
+    assert os.path.join(tmp, ckpt.EXP_AVG_FILE) in str(err.value) and not os.path.exists(tmp)
+    assert ckpt.list_checkpoints(root) == [1, 2] and ckpt.latest_step(root) == 2
+    monkeypatch.setattr(safetensors.torch, "save_file", real)
+    assert resume.save_checkpoint(trainer) == ckpt.step_dir(root, 3)  # the next save (space freed) works
+    ckpt.verify(ckpt.step_dir(root, 3))
+    assert resume.read_trainer_state(ckpt.step_dir(root, 3))["data_position"] == 5
+
+
+def test_server_killed_mid_run_recovers_without_corrupting_checkpoints(tmp_path, tiny_dense):
     os.environ["MEGATRON_GRPO_FAULT_KILL_GENERATOR_STEP"] = "2"
     try:
         code, out, rows = run_cli([f"policy.model_name={tiny_dense}", "grpo.max_num_steps=3",
-                                   f"generation.backend={backend}", "generation.retry_timeout_s=5",
+                                   "generation.backend=vllm_server", "generation.retry_timeout_s=5",
                                    "checkpointing.save_period=1", f"checkpointing.checkpoint_dir={tmp_path / 'ck'}"],
                                   str(tmp_path / "run"))
     finally:
@@ -96,6 +214,32 @@ def test_generator_killed_mid_run_recovers_without_corrupting_checkpoints(backen
     assert code == 0, out[-3000:]
     assert "restarting it" in out and [r["step"] for r in rows] == [1, 2, 3]
     assert max(r["sync/logprob_abs_diff_mean"] for r in rows) < 1e-4  # re-pushed weights match
+    for step in ckpt.list_checkpoints(str(tmp_path / "ck")):
+        ckpt.verify(ckpt.step_dir(str(tmp_path / "ck"), step))
+
+
+def test_generator_killed_in_every_phase_recovers_with_the_uninterrupted_metrics(tmp_path, tiny_dense):
+    """The generator dies before step 2's generation, during step 3's weight push and before step
+    4's parity probe: each time it is restarted and re-pushed, the retried generation asks for the
+    same prompts and seeds, and every step's metrics equal an uninterrupted run's."""
+    common = [f"policy.model_name={tiny_dense}", "grpo.max_num_steps=4"]
+    code, out, straight = run_cli(common, str(tmp_path / "straight"))
+    assert code == 0, out[-3000:]
+    os.environ["MEGATRON_GRPO_FAULT_KILL_GENERATOR"] = "generate:2,push:3,probe:4"
+    try:
+        code, out, rows = run_cli(common + ["checkpointing.save_period=1",
+                                            f"checkpointing.checkpoint_dir={tmp_path / 'ck'}"], str(tmp_path / "run"))
+    finally:
+        del os.environ["MEGATRON_GRPO_FAULT_KILL_GENERATOR"]
+    assert code == 0, out[-3000:]
+    for phase in ("generation at step 2", "the weight push at step 3", "the parity probe at step 4"):
+        assert f"generator failed during {phase}" in out, phase
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    for a, b in zip(straight, rows):
+        a, b = _stable(a), _stable(b)
+        assert set(a) == set(b)
+        for name in a:
+            assert b[name] == pytest.approx(a[name], rel=1e-5, abs=1e-6, nan_ok=True), (a["step"], name)
     for step in ckpt.list_checkpoints(str(tmp_path / "ck")):
         ckpt.verify(ckpt.step_dir(str(tmp_path / "ck"), step))
 
@@ -124,7 +268,7 @@ def _fake_trainer(st, shape, checkpoint_dir):
 
     ctx = NS(rank=dist.get_rank(), optimizer=st.optimizer, model=st.model, shape=shape, sampler=NS(position=0))
     return NS(ctx=ctx, cfg=NS(checkpointing=NS(checkpoint_dir=checkpoint_dir, keep_last_n=2)), step=1, version=1,
-              gate=NS(dropped=0), consecutive_skips=0)
+              gate=NS(dropped=0), consecutive_skips=0, probe=None)
 
 
 def _ep_checkpoint_worker(model_dir, ep, save_dir=None, load_from=None):

@@ -31,3 +31,19 @@ def test_megatron_groups_follow_the_layout(megatron_single):
     assert ps.get_tensor_model_parallel_world_size() == 1
     assert ps.get_data_parallel_world_size() == 1
     assert ps.get_expert_model_parallel_world_size() == 1
+
+
+def test_single_process_world_opens_no_network_listener():
+    """A one-process run keeps its rendezvous store in memory: nothing listens on any interface."""
+    import subprocess
+    import sys
+
+    code = ("import torch.distributed as dist\n"
+            "from megatron_grpo.parallel import state\n"
+            "state.init_distributed()\n"
+            "store = dist.distributed_c10d._get_default_store()\n"
+            "store = getattr(store, 'underlying_store', store)\n"
+            "print(type(store).__name__)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={k: v for k, v in __import__("os").environ.items() if k not in ("RANK", "WORLD_SIZE")})
+    assert out.stdout.strip().splitlines()[-1] == "HashStore", out.stderr[-2000:]

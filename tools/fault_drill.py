@@ -1,57 +1,206 @@
-"""Fault drill: inject the faults a long RL run meets and count what was lost.
+"""Fault drill: inject the faults a long RL run meets and check what was lost.
 
-Each drill runs the tiny recipe (CPU) with a checkpoint every step:
-  1. SIGKILL between steps 3 and 4, then ``checkpointing.resume=true``;
-  2. the vLLM generator process killed before step 2 (in-process backend);
-  3. the vLLM server killed before step 2 (server backend);
-  4. a NaN in one micro-batch's log-probs at step 2.
-Prints, last, faults injected / runs recovered / steps lost / metric rows lost.
+Every drill runs the tiny recipe (CPU) with a checkpoint every step and is compared with one
+uninterrupted run of the same recipe:
+  - SIGKILL between steps 3 and 4, then ``checkpointing.resume=true``;
+  - SIGTERM to one rank of a 2-rank torchrun run (the other must not hang), then resume;
+  - SIGTERM to the whole process group (what Slurm sends), then resume;
+  - the vLLM generator killed during generation, during the weight push and during the probe;
+  - the vLLM server killed before step 2's generation;
+  - a torn last line in metrics.jsonl (a full disk), then resume;
+  - a garbage ``manifest.json`` in the newest checkpoint and an empty ``latest`` pointer, then resume
+    with ``checkpointing.fallback_to_previous=true``;
+  - a NaN in one micro-batch's log-probs (the step is skipped: its metrics differ by design).
+Prints a table: fault, recovered, steps lost, rows lost or duplicated, metrics equal to the
+uninterrupted run.
 
-    python tools/fault_drill.py [--model DIR] [--out runs/fault-drill]
+    python tools/fault_drill.py [--model DIR] [--out runs/fault-drill] [--only NAME ...]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 5
+VOLATILE = ("time/", "timing/", "sync/push_s")
+PREEMPTED = 75
 
 
-def run(args, log_dir, env_extra=None):
+def _env(extra=None):
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
-    env.update(env_extra or {})
-    cmd = [sys.executable, "-m", "megatron_grpo", "train", "recipes/grpo-tiny-eos-cpu.yaml",
-           f"logger.log_dir={log_dir}", "logger.progress_bar=false", f"grpo.max_num_steps={STEPS}"] + args
-    code = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True).returncode
+    env.update(extra or {})
+    return env
+
+
+def _cmd(args, log_dir, nproc=1):
+    launcher = [sys.executable, "-m", "megatron_grpo"] if nproc == 1 else [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "-m", "megatron_grpo"]
+    return launcher + ["train", "recipes/grpo-tiny-eos-cpu.yaml", f"logger.log_dir={log_dir}",
+                       "logger.progress_bar=false", f"grpo.max_num_steps={STEPS}"] + list(args)
+
+
+def read_rows(log_dir):
+    from megatron_grpo.metrics_logger import read_metrics_rows
+
     path = os.path.join(log_dir, "metrics.jsonl")
-    rows = [json.loads(line) for line in open(path)] if os.path.isfile(path) else []
-    return code, rows
+    return read_metrics_rows(path) if os.path.isfile(path) else []
 
 
-def drill(name, out, model, fault_env, resume=False, extra=()):
-    log_dir, ck = os.path.join(out, name), os.path.join(out, name + "-ckpt")
-    base = [f"policy.model_name={model}", "checkpointing.save_period=1", f"checkpointing.checkpoint_dir={ck}"]
-    base += list(extra)
-    code, rows = run(base, log_dir, fault_env)
-    if resume and code != 0:
-        code, rows = run(base + ["checkpointing.resume=true"], log_dir)
+def run(args, log_dir, env_extra=None, nproc=1):
+    proc = subprocess.run(_cmd(args, log_dir, nproc), cwd=ROOT, env=_env(env_extra), capture_output=True, text=True)
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+def run_and_signal(args, log_dir, after_rows: int, whole_group: bool, nproc=1):
+    """Starts a run, waits for ``after_rows`` metric rows, then SIGTERMs one rank (the youngest
+    worker process) or the whole process group; returns the exit code."""
+    proc = subprocess.Popen(_cmd(args, log_dir, nproc), cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.monotonic() + 900
+    while len(read_rows(log_dir)) < after_rows and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.5)
+    if whole_group:
+        os.killpg(proc.pid, signal.SIGTERM)
+    else:
+        os.kill(_youngest_worker(proc.pid), signal.SIGTERM)
+    return proc.wait(timeout=900)
+
+
+def _youngest_worker(launcher_pid: int) -> int:
+    """torchrun's last worker (rank 1 of 2): the child of the launcher with the highest pid."""
+    out = subprocess.run(["pgrep", "-P", str(launcher_pid)], capture_output=True, text=True).stdout.split()
+    return max(int(p) for p in out) if out else launcher_pid
+
+
+def _stable(row):
+    return {k: v for k, v in row.items() if not k.startswith(VOLATILE)}
+
+
+def _equal(a, b) -> bool:
+    a, b = _stable(a), _stable(b)
+    if set(a) != set(b):
+        return False
+    for key, x in a.items():
+        y = b[key]
+        if x is None or y is None:
+            if x is not y:
+                return False
+        elif not math.isclose(x, y, rel_tol=1e-5, abs_tol=1e-6):
+            return False
+    return True
+
+
+def verdict(name, code, rows, reference, compare=True):
     steps = [r["step"] for r in rows]
-    recovered = code == 0 and steps == list(range(1, STEPS + 1))
-    return {"drill": name, "recovered": recovered, "steps_lost": STEPS - len(set(steps)),
-            "rows_lost": STEPS - len(steps) if len(steps) <= STEPS else 0, "duplicate_rows": len(steps) - len(set(steps))}
+    equal = compare and len(rows) == len(reference) and all(_equal(a, b) for a, b in zip(reference, rows))
+    return {"fault": name, "recovered": code == 0 and sorted(set(steps)) == list(range(1, STEPS + 1)),
+            "steps_lost": STEPS - len(set(steps)), "rows_lost_or_duplicated": abs(len(steps) - len(set(steps)))
+            + (STEPS - len(set(steps))), "metrics_equal": "yes" if equal else ("n/a" if not compare else "no")}
+
+
+def _base(out, name, model):
+    ck = os.path.join(out, name + "-ckpt")
+    return os.path.join(out, name), ck, [f"policy.model_name={model}", "checkpointing.save_period=1",
+                                         f"checkpointing.checkpoint_dir={ck}"]
+
+
+def drill_kill(out, model, reference):
+    log_dir, _, base = _base(out, "sigkill-after-step-3", model)
+    run(base, log_dir, {"MEGATRON_GRPO_FAULT_KILL_AFTER_STEP": "3"})
+    code, _ = run(base + ["checkpointing.resume=true"], log_dir)
+    return verdict("SIGKILL after step 3, resume", code, read_rows(log_dir), reference)
+
+
+def drill_sigterm(out, model, reference, whole_group: bool):
+    name = "sigterm-process-group" if whole_group else "sigterm-one-rank-of-2"
+    log_dir, _, base = _base(out, name, model)
+    nproc = 1 if whole_group else 2
+    code = run_and_signal(base, log_dir, after_rows=2, whole_group=whole_group, nproc=nproc)
+    if code != PREEMPTED:
+        return {"fault": name, "recovered": False, "steps_lost": STEPS, "rows_lost_or_duplicated": STEPS,
+                "metrics_equal": f"no (exit {code}, expected {PREEMPTED})"}
+    code, _ = run(base + ["checkpointing.resume=true"], log_dir, nproc=nproc)
+    label = "SIGTERM to the process group, resume" if whole_group else "SIGTERM to one rank of 2 (torchrun), resume"
+    return verdict(label, code, read_rows(log_dir), reference)
+
+
+def drill_generator(out, model, reference, spec, label):
+    log_dir, _, base = _base(out, "generator-" + spec.replace(":", "-"), model)
+    code, _ = run(base, log_dir, {"MEGATRON_GRPO_FAULT_KILL_GENERATOR": spec})
+    return verdict(label, code, read_rows(log_dir), reference)
+
+
+def drill_server(out, model):
+    log_dir, _, base = _base(out, "server-killed", model)
+    code, _ = run(base + ["generation.backend=vllm_server", "generation.retry_timeout_s=5"], log_dir,
+                  {"MEGATRON_GRPO_FAULT_KILL_GENERATOR": "generate:2"})
+    return verdict("vLLM server killed before step 2", code, read_rows(log_dir), [], compare=False)
+
+
+def drill_torn_metrics(out, model, reference):
+    log_dir, _, base = _base(out, "torn-metrics-line", model)
+    run(base, log_dir, {"MEGATRON_GRPO_FAULT_KILL_AFTER_STEP": "3"})
+    with open(os.path.join(log_dir, "metrics.jsonl"), "a") as f:
+        f.write('{"step": 4, "reward/mean": -1')  # a full disk tore the next row
+    code, _ = run(base + ["checkpointing.resume=true"], log_dir)
+    return verdict("torn last metrics line, resume", code, read_rows(log_dir), reference)
+
+
+def drill_broken_metadata(out, model, reference):
+    from megatron_grpo import checkpoint as ckpt
+
+    log_dir, ck, base = _base(out, "broken-manifest", model)
+    run(base, log_dir, {"MEGATRON_GRPO_FAULT_KILL_AFTER_STEP": "3"})
+    with open(os.path.join(ckpt.step_dir(ck, 3), "manifest.json"), "w") as f:
+        f.write("{garbage")
+    open(os.path.join(ck, "latest"), "w").close()  # and an empty pointer
+    code, _ = run(base + ["checkpointing.resume=true", "checkpointing.fallback_to_previous=true"], log_dir)
+    return verdict("garbage manifest + empty latest, fallback resume", code, read_rows(log_dir), reference)
+
+
+def drill_nan(out, model):
+    log_dir, _, base = _base(out, "nan-log-probs", model)
+    code, _ = run(base, log_dir, {"MEGATRON_GRPO_FAULT_NAN_STEP": "2"})
+    return verdict("NaN log-probs at step 2 (step skipped)", code, read_rows(log_dir), [], compare=False)
+
+
+DRILLS = {
+    "sigkill": drill_kill,
+    "sigterm-rank": lambda o, m, r: drill_sigterm(o, m, r, whole_group=False),
+    "sigterm-group": lambda o, m, r: drill_sigterm(o, m, r, whole_group=True),
+    "gen-generate": lambda o, m, r: drill_generator(o, m, r, "generate:2", "generator killed during generation"),
+    "gen-push": lambda o, m, r: drill_generator(o, m, r, "push:3", "generator killed during the weight push"),
+    "gen-probe": lambda o, m, r: drill_generator(o, m, r, "probe:4", "generator killed during the parity probe"),
+    "server": lambda o, m, r: drill_server(o, m),
+    "torn-metrics": drill_torn_metrics,
+    "broken-metadata": drill_broken_metadata,
+    "nan": lambda o, m, r: drill_nan(o, m),
+}
+
+
+def table(results) -> str:
+    lines = ["| fault | recovered | steps lost | rows lost or duplicated | metrics equal to the uninterrupted run |",
+             "|---|---|---|---|---|"]
+    lines += [f"| {r['fault']} | {'yes' if r['recovered'] else 'NO'} | {r['steps_lost']} | "
+              f"{r['rows_lost_or_duplicated']} | {r['metrics_equal']} |" for r in results]
+    return "\n".join(lines)
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="HF checkpoint dir (default: a fresh tiny Qwen3)")
     parser.add_argument("--out", default=None)
+    parser.add_argument("--only", nargs="*", choices=sorted(DRILLS), help="run only these drills")
     args = parser.parse_args(argv)
     out = args.out or tempfile.mkdtemp(prefix="fault-drill-")
     shutil.rmtree(out, ignore_errors=True)
@@ -61,19 +210,19 @@ def main(argv=None) -> int:
         from megatron_grpo.models.tiny import make_tiny_model
 
         model = make_tiny_model(os.path.join(out, "tiny-model"), "qwen3")
-    results = [
-        drill("sigkill-step3", out, model, {"MEGATRON_GRPO_FAULT_KILL_AFTER_STEP": "3"}, resume=True),
-        drill("generator-killed", out, model, {"MEGATRON_GRPO_FAULT_KILL_GENERATOR_STEP": "2"}),
-        drill("server-killed", out, model, {"MEGATRON_GRPO_FAULT_KILL_GENERATOR_STEP": "2"},
-              extra=["generation.backend=vllm_server", "generation.retry_timeout_s=5"]),
-        drill("nan-log-probs", out, model, {"MEGATRON_GRPO_FAULT_NAN_STEP": "2"}),
-    ]
-    for r in results:
-        print(f"{r['drill']:>18}: recovered={r['recovered']} steps_lost={r['steps_lost']} rows_lost={r['rows_lost']} "
-              f"duplicate_rows={r['duplicate_rows']}")
-    print(f"faults injected: {len(results)}, runs recovered: {sum(r['recovered'] for r in results)}, "
-          f"steps lost: {sum(r['steps_lost'] for r in results)}, metric rows lost: {sum(r['rows_lost'] for r in results)}")
-    return 0 if all(r["recovered"] for r in results) else 1
+    ref_dir = os.path.join(out, "uninterrupted")
+    code, log = run([f"policy.model_name={model}"], ref_dir)
+    if code != 0:
+        print(log[-3000:])
+        return 1
+    reference = read_rows(ref_dir)
+    results = []
+    for name in args.only or list(DRILLS):
+        results.append(DRILLS[name](out, model, reference))
+        print(json.dumps(results[-1]), flush=True)
+    print(table(results))
+    ok = all(r["recovered"] and r["metrics_equal"] in ("yes", "n/a") for r in results)
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

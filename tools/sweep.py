@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import argparse
 import csv
-import json
 import math
 import os
 import statistics
 import subprocess
 import sys
 from typing import Dict, List, Sequence
+
+from megatron_grpo.metrics_logger import read_metrics_rows
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -84,8 +85,7 @@ def read_rows(log_dir: str) -> List[dict]:
     path = os.path.join(log_dir, "metrics.jsonl")
     if not os.path.isfile(path):
         return []
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+    return read_metrics_rows(path)
 
 
 def run_one(cmd: List[str], log_dir: str, expected_steps: int) -> bool:

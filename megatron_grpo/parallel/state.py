@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 from dataclasses import dataclass
 from typing import Optional
 
@@ -60,12 +59,6 @@ def validate_layout(layout: Layout, *, num_layers: Optional[int] = None, num_exp
         raise ValueError(f"{prefix}.tensor_model_parallel_size={layout.tp} does not divide num_key_value_heads={num_query_groups}")
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def init_distributed(backend: Optional[str] = None) -> None:
     """Initialises the default process group from torchrun's env, or as a 1-process group."""
     cpu.install()
@@ -76,9 +69,9 @@ def init_distributed(backend: Optional[str] = None) -> None:
     if "RANK" in os.environ:  # torchrun (or a launcher that sets the env:// variables)
         dist.init_process_group(backend=backend or cpu.default_backend())
         return
-    # a single process: a private TCP store, without exporting RANK/MASTER_PORT to child processes
-    dist.init_process_group(backend=backend or cpu.default_backend(), init_method=f"tcp://127.0.0.1:{_free_port()}",
-                            rank=0, world_size=1)
+    # a single process: an in-memory store, so nothing listens on any network interface (a TCP
+    # store binds every interface whatever its URL says), and no RANK/MASTER_PORT is exported
+    dist.init_process_group(backend=backend or cpu.default_backend(), store=dist.HashStore(), rank=0, world_size=1)
 
 
 def initialize_model_parallel(layout: Layout, seed: int = 1234) -> None:

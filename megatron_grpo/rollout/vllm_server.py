@@ -77,8 +77,14 @@ class VLLMServerEngine(RolloutEngine):
                                                                  "MASTER_PORT", "LOCAL_WORLD_SIZE")}
         env.update(VLLM_SERVER_DEV_MODE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0",
                    VLLM_CPU_KVCACHE_SPACE=str(max(1, int(kv_cache_gib))))
-        self._log_path = log_path or tempfile.mktemp(prefix="megatron-grpo-vllm-server-", suffix=".log")
-        self._log = open(self._log_path, "w")
+        self._own_log = log_path is None  # a temporary log (engine used on its own) is removed on close
+        if log_path is None:
+            fd, log_path = tempfile.mkstemp(prefix="megatron-grpo-vllm-server-", suffix=".log")
+            os.close(fd)
+        else:
+            os.makedirs(os.path.dirname(os.path.abspath(log_path)), exist_ok=True)
+        self._log_path = log_path
+        self._log = open(self._log_path, "a")  # a restarted server appends: the crash stays readable
         self._proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env,
                                       start_new_session=True, preexec_fn=_die_with_parent)
 
@@ -206,4 +212,9 @@ class VLLMServerEngine(RolloutEngine):
                 self._proc.kill()
                 self._proc.wait(timeout=10)
         self._log.close()
+        if self._own_log:
+            try:
+                os.remove(self._log_path)
+            except OSError:
+                pass
         self._proc = None

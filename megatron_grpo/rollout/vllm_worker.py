@@ -17,12 +17,18 @@ _TRAINER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_R
 
 
 def _die_with_parent() -> None:
-    """The generator must not outlive the trainer (a SIGKILLed trainer would leave it, and
+    """The generator leaves the trainer's process group (a SIGTERM to the group, what Slurm sends
+    on preemption, must reach the trainer, which saves and then closes the generator, not kill the
+    generator under it), but must not outlive the trainer (a SIGKILLed trainer would leave it, and
     the pipes it holds, behind): Linux's parent-death signal, plus a watchdog thread."""
     import signal
     import threading
     import time
 
+    try:
+        os.setsid()
+    except OSError:  # already a group leader
+        pass
     parent = os.getppid()
     try:
         import ctypes

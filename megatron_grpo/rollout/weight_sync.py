@@ -81,9 +81,14 @@ def push_weights(model, shape, engine, version: int, *, dtype: torch.dtype, buck
     else:
         try:
             engine.update_weights(buckets, version)
-        except Exception as exc:  # noqa: BLE001 - the generator refused a name or shape
+        except Exception as exc:  # noqa: BLE001 - the generator refused a name or shape, or died
             from megatron_grpo.rollout.parity import ParityError
+            from megatron_grpo.rollout.vllm_engine import GeneratorError
 
+            for _ in buckets:  # finish the collective gathers every other rank is running
+                pass
+            if isinstance(exc, GeneratorError) and not getattr(engine, "alive", lambda: True)():
+                raise  # a crash, not a refusal: the trainer restarts the generator and pushes again
             last = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
             raise ParityError(f"weight push of version {version} was refused by the generator ({last}); pushed "
                               f"tensors: {', '.join(report.names[:12])}{' ...' if len(report.names) > 12 else ''}. "
