@@ -45,7 +45,8 @@ def _parity_demo(args) -> int:
 def _train(args) -> int:
     from megatron_grpo.train import main as train_main
 
-    return train_main(args.recipe, args.overrides, dry_run=args.dry_run, world_size=args.world_size)
+    return train_main(args.recipe, args.overrides, dry_run=args.dry_run, world_size=args.world_size,
+                      as_json=args.json)
 
 
 def _doctor(args) -> int:
@@ -96,7 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
     train = sub.add_parser("train", help="run GRPO from a recipe YAML (under torchrun for several ranks)")
     train.add_argument("recipe", help="recipe YAML, e.g. recipes/grpo-tiny-eos-cpu.yaml")
     train.add_argument("overrides", nargs="*", help="key=value overrides, e.g. grpo.max_num_steps=3")
-    train.add_argument("--dry-run", action="store_true", help="print the resolved config and layout, build nothing")
+    train.add_argument("--dry-run", action="store_true", help="print the layout and the memory plan, build nothing")
+    train.add_argument("--json", action="store_true",
+                       help="with --dry-run: print the config, layout and memory plan as JSON (for scripts)")
     train.add_argument("--world-size", type=int, default=None,
                        help="with --dry-run: validate the layout for this many ranks (default: $WORLD_SIZE or 1)")
     train.add_argument("--verbose", action="store_true",

@@ -359,6 +359,22 @@ class CheckpointingConfig:
 
 
 @dataclass
+class ClusterConfig:
+    """The devices a run is planned for (the memory plan of ``--dry-run``, ``megatron_grpo/plan.py``)."""
+
+    gpu_memory_gib: Optional[float] = None
+    """Memory of one device in GiB (e.g. 80 for H100 / A100 80GB); the run stops before building anything
+    when the memory plan of the most loaded rank exceeds it; null = no check."""
+    assume_distributed_optimizer: bool = False
+    """The check counts the optimizer state sharded over data parallelism (Megatron's distributed optimizer,
+    ZeRO-1) instead of the current replicated AdamW; the plan shows both."""
+
+    def __post_init__(self):
+        if self.gpu_memory_gib is not None and self.gpu_memory_gib <= 0:
+            raise ValueError(f"cluster.gpu_memory_gib must be > 0 or null, got {self.gpu_memory_gib}")
+
+
+@dataclass
 class Config:
     """A whole recipe."""
 
@@ -378,6 +394,8 @@ class Config:
     """Metrics."""
     checkpointing: CheckpointingConfig = field(default_factory=CheckpointingConfig)
     """Checkpoints."""
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    """The devices (memory plan)."""
 
     def __post_init__(self):
         p = self.policy.precision

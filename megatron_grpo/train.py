@@ -18,6 +18,7 @@ import torch
 
 from megatron_grpo.config import Config, to_dtype, to_dict
 from megatron_grpo.parallel.state import Layout
+from megatron_grpo.plan import check_fits, format_plan, memory_plan
 
 logger = logging.getLogger(__name__)
 
@@ -421,34 +422,64 @@ class GRPOTrainer:
 
 
 def describe_layout(cfg: Config, world_size: int) -> Dict:
-    """The resolved config and parallel layout, validated without building anything heavy."""
-    from megatron_grpo.models.qwen3 import load_hf_config, shape_from_hf
+    """The resolved config, parallel layout and memory plan, validated without building anything heavy
+    (``memory`` is None when ``policy.model_name`` is not a local HF dir)."""
     from megatron_grpo.parallel.state import validate_layout
 
     layout = layout_of(cfg, world_size)
-    model_dir = cfg.policy.model_name
-    shape = shape_from_hf(load_hf_config(model_dir)) if model_dir and os.path.isdir(model_dir) else None
+    shape = _local_shape(cfg)
     validate_layout(layout, num_layers=shape.num_layers if shape else None,
                     num_experts=shape.num_experts if shape else None,
                     num_query_groups=shape.num_kv_heads if shape else None)
+    plan = None
     if shape is not None:
         from megatron_grpo.setup import check_moe_options
 
         check_moe_options(cfg, shape)
+        plan = check_memory(cfg, shape, world_size)
     return {"config": to_dict(cfg), "layout": {"world_size": layout.world_size, "tp": layout.tp, "pp": layout.pp,
-                                               "cp": layout.cp, "ep": layout.ep, "etp": layout.etp, "dp": layout.dp}}
+                                               "cp": layout.cp, "ep": layout.ep, "etp": layout.etp, "dp": layout.dp},
+            "memory": plan.to_dict() if plan else None, "memory_table": format_plan(plan) if plan else None}
 
 
-def main(recipe: str, overrides: Sequence[str], dry_run: bool = False, world_size: Optional[int] = None) -> int:
-    """CLI entry: load + validate the recipe, then train (or print the dry run)."""
+def _local_shape(cfg: Config):
+    from megatron_grpo.models.qwen3 import load_hf_config, shape_from_hf
+
+    model_dir = cfg.policy.model_name
+    return shape_from_hf(load_hf_config(model_dir)) if model_dir and os.path.isdir(model_dir) else None
+
+
+def check_memory(cfg: Config, shape, world_size: int):
+    """The memory plan of the most loaded rank; ``ValueError`` when it exceeds ``cluster.gpu_memory_gib``."""
+    plan = memory_plan(cfg, shape, world_size)
+    check_fits(plan, cfg, shape)
+    return plan
+
+
+def _print_dry_run(described: Dict, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps({k: v for k, v in described.items() if k != "memory_table"}, indent=2))
+        return
+    layout = ", ".join(f"{k}={v}" for k, v in described["layout"].items())
+    print(f"layout: {layout}")
+    print(described["memory_table"] or "memory plan: none (policy.model_name is not a local HF checkpoint dir)")
+
+
+def main(recipe: str, overrides: Sequence[str], dry_run: bool = False, world_size: Optional[int] = None,
+         as_json: bool = False) -> int:
+    """CLI entry: load + validate the recipe (and its memory plan), then train (or print the dry run)."""
     from megatron_grpo.recipe import load_recipe
 
     world_size = world_size or int(os.environ.get("WORLD_SIZE", "1"))
     try:
         cfg = load_recipe(recipe, overrides)
         if dry_run:
-            print(json.dumps(describe_layout(cfg, world_size), indent=2))
+            _print_dry_run(describe_layout(cfg, world_size), as_json)
             return 0
+        if cfg.cluster.gpu_memory_gib is not None:
+            from megatron_grpo.models.qwen3 import load_hf_config, shape_from_hf
+
+            check_memory(cfg, shape_from_hf(load_hf_config(resolve_model_dir(cfg))), world_size)
         trainer = GRPOTrainer(cfg)
     except (ValueError, FileNotFoundError, RuntimeError) as exc:
         logger.error("%s", exc)

@@ -78,12 +78,12 @@ def test_precision_defaults_are_matched_and_mismatch_warns(caplog):
 
 @pytest.mark.parametrize("recipe, world, expect", [
     ("grpo-qwen3-30b-a3b-2x8gpu.yaml", 16, {"tp": 2, "ep": 8, "dp": 8}),
-    ("grpo-qwen3-235b-a22b-8x8gpu.yaml", 64, {"tp": 4, "pp": 2, "ep": 8, "dp": 8}),
+    ("grpo-qwen3-235b-a22b-8x8gpu.yaml", 64, {"tp": 4, "pp": 2, "ep": 32, "dp": 8}),
     ("grpo-qwen3-0.6b-eos-B.yaml", 8, {"tp": 1, "dp": 8}),
 ])
 def test_cluster_recipes_dry_run(recipe, world, expect):
     out = subprocess.run([sys.executable, "-m", "megatron_grpo", "train", f"recipes/{recipe}", "--dry-run",
-                          "--world-size", str(world)], capture_output=True, text=True, cwd=ROOT, timeout=300)
+                          "--json", "--world-size", str(world)], capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
     layout = json.loads(out.stdout[out.stdout.index("{"):])["layout"]
     assert {k: layout[k] for k in expect} == expect
