@@ -108,25 +108,31 @@ def clip_figure(runs: Dict[str, List[dict]]):
     return fig
 
 
-def rarity_figure(runs: Dict[str, List[dict]]):
-    """Mean |beta| by rollout log-prob bucket (common > -5, medium, rare <= -20), one bar group per run."""
+def bar_groups(runs: Dict[str, List[dict]], keys: List[str], labels: List[str], ylabel: str, title: str):
+    """One bar group per run: the mean over steps of each metric in ``keys``."""
     plt = _pyplot()
-    buckets = ("common", "medium", "rare")
     fig, ax = plt.subplots(figsize=(7, 4))
     width = 0.8 / max(len(runs), 1)
     for i, (label, rows) in enumerate(runs.items()):
         means = []
-        for b in buckets:
-            _, y = _xy(rows, f"precision/beta_abs_mean_{b}")
+        for key in keys:
+            _, y = _xy(rows, key)
             means.append(sum(y) / len(y) if y else 0.0)
-        ax.bar([k + i * width for k in range(3)], means, width=width, label=label, color=f"C{i % 10}")
-    ax.set_xticks([k + 0.4 - width / 2 for k in range(3)])
-    ax.set_xticklabels(["common (lp > -5)", "medium", "rare (lp <= -20)"])
-    ax.set_ylabel("mean |beta|")
-    ax.set_title("precision gap by token rarity")
+        ax.bar([k + i * width for k in range(len(keys))], means, width=width, label=label, color=f"C{i % 10}")
+    ax.set_xticks([k + 0.4 - width / 2 for k in range(len(keys))])
+    ax.set_xticklabels(labels)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
     ax.legend(fontsize=7)
     fig.tight_layout()
     return fig
+
+
+def rarity_figure(runs: Dict[str, List[dict]]):
+    """Mean |beta| by rollout log-prob bucket (common > -5, medium, rare <= -20), one bar group per run."""
+    return bar_groups(runs, [f"precision/beta_abs_mean_{b}" for b in ("common", "medium", "rare")],
+                      ["common (lp > -5)", "medium", "rare (lp <= -20)"], "mean |beta|",
+                      "precision gap by token rarity")
 
 
 MOE_FIGURES = {
@@ -180,22 +186,8 @@ PHASES = ("generate", "reward", "train", "weight_push", "parity")
 
 def timing_figure(runs: Dict[str, List[dict]]):
     """Mean seconds per step of each phase (``timing/<phase>_s``), one bar group per run."""
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(7, 4))
-    width = 0.8 / max(len(runs), 1)
-    for i, (label, rows) in enumerate(runs.items()):
-        means = []
-        for phase in PHASES:
-            _, y = _xy(rows, f"timing/{phase}_s")
-            means.append(sum(y) / len(y) if y else 0.0)
-        ax.bar([k + i * width for k in range(len(PHASES))], means, width=width, label=label, color=f"C{i % 10}")
-    ax.set_xticks([k + 0.4 - width / 2 for k in range(len(PHASES))])
-    ax.set_xticklabels([p.replace("_", " ") for p in PHASES])
-    ax.set_ylabel("seconds per step (mean)")
-    ax.set_title("where a step's time goes")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    return fig
+    return bar_groups(runs, [f"timing/{phase}_s" for phase in PHASES], [p.replace("_", " ") for p in PHASES],
+                      "seconds per step (mean)", "where a step's time goes")
 
 
 def make_figures(paths: List[str], out: str) -> List[str]:
