@@ -32,7 +32,10 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 5
-VOLATILE = ("time/", "timing/", "sync/push_s")
+VOLATILE = ("time/", "timing/", "sync/push_s", "sync/logprob_diff_vs_baseline")
+"""Not compared: wall times, and the probe's ratio to its baseline, a ratio of two fp32 round-off
+numbers (~1e-7) that differs between layouts (the 2-rank drill against the 1-process run) while
+the absolute diffs it is made of agree."""
 PREEMPTED = 75
 
 
@@ -82,6 +85,11 @@ def _youngest_worker(launcher_pid: int) -> int:
     return max(int(p) for p in out) if out else launcher_pid
 
 
+def _summary(log_dir) -> dict:
+    path = os.path.join(log_dir, "summary.json")
+    return json.load(open(path)) if os.path.isfile(path) else {}
+
+
 def _stable(row):
     return {k: v for k, v in row.items() if not k.startswith(VOLATILE)}
 
@@ -126,9 +134,12 @@ def drill_sigterm(out, model, reference, whole_group: bool):
     log_dir, _, base = _base(out, name, model)
     nproc = 1 if whole_group else 2
     code = run_and_signal(base, log_dir, after_rows=2, whole_group=whole_group, nproc=nproc)
-    if code != PREEMPTED:
+    # one process exits 75; torchrun turns any non-zero worker status into its own 1, so there the
+    # preemption shows in summary.json (written by rank 0 after the agreed stop and the checkpoint)
+    stopped = _summary(log_dir).get("stopped")
+    if (code != PREEMPTED if nproc == 1 else (code == 0 or stopped != "signal")):
         return {"fault": name, "recovered": False, "steps_lost": STEPS, "rows_lost_or_duplicated": STEPS,
-                "metrics_equal": f"no (exit {code}, expected {PREEMPTED})"}
+                "metrics_equal": f"no (exit {code}, summary stopped={stopped!r})"}
     code, _ = run(base + ["checkpointing.resume=true"], log_dir, nproc=nproc)
     label = "SIGTERM to the process group, resume" if whole_group else "SIGTERM to one rank of 2 (torchrun), resume"
     return verdict(label, code, read_rows(log_dir), reference)
