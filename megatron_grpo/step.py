@@ -12,7 +12,7 @@ import contextlib
 import dataclasses
 import functools
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 

@@ -12,7 +12,7 @@ import json
 import logging
 import os
 import time
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, Optional, Sequence
 
 import torch
 

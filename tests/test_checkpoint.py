@@ -1,7 +1,6 @@
 """Checkpoints and faults: exact resume after SIGKILL, TP re-layout, corrupt files, generator crash, NaN."""
 
 import errno
-import json
 import logging
 import os
 import shutil

@@ -30,7 +30,6 @@ import csv
 import math
 import os
 import sys
-import tempfile
 import time
 from typing import Dict, List, Optional, Sequence
 

@@ -93,7 +93,7 @@ class LossConfig:
     """Raise ``ValueError`` when log-probs at valid tokens are NaN/inf (costs one host sync)."""
 
     def __post_init__(self):
-        from megatron_grpo.loss import aggregation, clips, corrections, ratios
+        from megatron_grpo.loss import aggregation, clips, ratios
 
         if self.ratio not in ratios.RATIO_SOURCES:
             _bad("ratio", self.ratio, ratios.RATIO_SOURCES.names())
