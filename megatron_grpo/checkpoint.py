@@ -1,18 +1,22 @@
-"""Checkpoints: layout-independent model + optimizer state, trainer state, atomic writes.
+"""Checkpoint folders: atomic writes, the ``latest`` pointer, manifest and verification.
 
-Model weights and the AdamW moments are saved as full HF-named tensors (gathered over
-TP/EP with the same name map as the weight push), so a checkpoint written at one
-TP/EP layout loads at any other; the same files are a ready HF export. Trainer state
-(step, policy version, data position, RNG states of every rank, loss scaler,
-staleness counters) goes to ``trainer_state.pt``. A checkpoint is written to a
-temporary folder, fsynced, described by ``manifest.json`` (size and sha256 of every
-file) and renamed into place; the ``latest`` pointer is replaced last. A failed write (a
-full disk) is a ``CheckpointError`` naming the file, and the partial temporary folder is
-removed. Loading verifies the pointer and the manifest: an empty or garbled ``latest``, a
-``latest`` naming a deleted folder, an empty, garbled or malformed ``manifest.json``, a
+A checkpoint (``step_<N>/``) holds the torch_dist files of ``megatron.core.dist_checkpointing``
+(model and optimizer state, each rank's shards; ``resume.py`` / ``sharded_state.py``) and
+``trainer_state.pt`` (step, policy version, data position, RNG states of every rank, LR
+scheduler, loss scalers, staleness counters). It is written to a temporary folder by every rank;
+after a barrier rank 0 describes it in ``manifest.json`` (the size of every file, and the
+sha256 of every file up to ``HASH_MAX_BYTES``), fsyncs it and renames it into place; the
+``latest`` pointer is replaced last. Shard files above ``HASH_MAX_BYTES`` are checked by size
+only: hashing them would read the whole checkpoint (terabytes for a large model) on rank 0 at
+every save and every resume; a truncated shard is still caught, and torch_dist's own metadata
+(hashed) names every item's offset and length.
+
+A failed write (a full disk) is a ``CheckpointError`` naming the file, and the partial temporary
+folder is removed. Loading verifies the pointer and the manifest: an empty or garbled ``latest``,
+a ``latest`` naming a deleted folder, an empty, garbled or malformed ``manifest.json``, a
 missing, truncated or corrupt file are each a ``CheckpointError`` naming the file, and with
-``fallback_to_previous`` the newest intact earlier checkpoint is used instead (with a
-warning naming what was skipped and why).
+``fallback_to_previous`` the newest intact earlier checkpoint is used instead (with a warning
+naming what was skipped and why).
 """
 
 from __future__ import annotations
@@ -31,8 +35,9 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-MODEL_FILE, EXP_AVG_FILE, EXP_AVG_SQ_FILE = "model.safetensors", "optim_exp_avg.safetensors", "optim_exp_avg_sq.safetensors"
 STATE_FILE, MANIFEST, POINTER = "trainer_state.pt", "manifest.json", "latest"
+HASH_MAX_BYTES = 64 << 20
+"""Files up to this size get a sha256 in the manifest (metadata, trainer state, small shards)."""
 
 
 class CheckpointError(RuntimeError):
@@ -112,10 +117,7 @@ def _removed_on_failure(path: str, partial: str):
     try:
         yield
     except Exception as exc:  # noqa: BLE001 - every write failure leaves a partial file behind
-        if os.path.isdir(partial):
-            shutil.rmtree(partial, ignore_errors=True)
-        elif os.path.lexists(partial):
-            os.remove(partial)
+        remove_partial(partial)
         raise write_failure(path, exc, partial) from exc
 
 
@@ -127,9 +129,20 @@ def _write_synced(path: str, text: str) -> None:
 
 
 def _manifest(tmp: str, step: int) -> Dict:
-    files = sorted(f for f in os.listdir(tmp) if f != MANIFEST)
-    return {"step": step, "files": {f: {"bytes": os.path.getsize(os.path.join(tmp, f)),
-                                        "sha256": _sha256(os.path.join(tmp, f))} for f in files}}
+    files = {}
+    for name in sorted(f for f in os.listdir(tmp) if f != MANIFEST):
+        path = os.path.join(tmp, name)
+        size = os.path.getsize(path)
+        files[name] = {"bytes": size, "sha256": _sha256(path) if size <= HASH_MAX_BYTES else None}
+    return {"step": step, "files": files}
+
+
+def remove_partial(path: str) -> None:
+    """Removes a partial checkpoint folder or file (nothing if it is gone)."""
+    if os.path.isdir(path):
+        shutil.rmtree(path, ignore_errors=True)
+    elif os.path.lexists(path):
+        os.remove(path)
 
 
 def finalize_dir(tmp: str, root: str, step: int, keep_last_n: int) -> str:
@@ -221,10 +234,12 @@ def _check_entry(manifest_path: str, name: str, meta) -> None:
     digest = meta.get("sha256") if isinstance(meta, dict) else None
     if not plain:
         raise CheckpointError(f"checkpoint manifest {manifest_path}: key 'files.{name}' is not a file name")
-    if type(size) is not int or size < 0 or not isinstance(digest, str) or len(digest) != 64 \
-            or not set(digest) <= set(string.hexdigits):
+    hashed = isinstance(digest, str) and len(digest) == 64 and set(digest) <= set(string.hexdigits)
+    size_only = isinstance(meta, dict) and "sha256" in meta and digest is None and type(size) is int \
+        and size > HASH_MAX_BYTES
+    if type(size) is not int or size < 0 or not (hashed or size_only):
         raise CheckpointError(f"checkpoint manifest {manifest_path}: key 'files.{name}' needs 'bytes' (an integer) "
-                              f"and 'sha256' (64 hex digits), not {str(meta)[:80]}")
+                              f"and 'sha256' (64 hex digits; null above {HASH_MAX_BYTES} bytes), not {str(meta)[:80]}")
 
 
 def verify(path: str) -> None:
@@ -236,12 +251,12 @@ def verify(path: str) -> None:
             raise CheckpointError(f"checkpoint file {file} is missing")
         try:
             size = os.path.getsize(file)
-            digest = _sha256(file) if size == meta["bytes"] else None
+            digest = _sha256(file) if size == meta["bytes"] and meta["sha256"] else None
         except OSError as exc:
             raise CheckpointError(f"checkpoint file {file} cannot be read: {exc}") from exc
         if size != meta["bytes"]:
             raise CheckpointError(f"checkpoint file {file} is truncated ({size} of {meta['bytes']} bytes)")
-        if digest != meta["sha256"].lower():
+        if meta["sha256"] and digest != meta["sha256"].lower():
             raise CheckpointError(f"checkpoint file {file} is corrupt (sha256 mismatch)")
 
 

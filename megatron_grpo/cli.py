@@ -1,4 +1,4 @@
-"""``megatron-grpo`` command line: train, doctor, plot, report, make-tiny-model, parity-demo.
+"""``megatron-grpo`` command line: train, export-hf, doctor, plot, report, make-tiny-model, parity-demo.
 
 Heavy imports (megatron.core, vLLM) happen inside the sub-commands, so ``--help`` and
 config validation stay fast.
@@ -47,6 +47,19 @@ def _train(args) -> int:
 
     return train_main(args.recipe, args.overrides, dry_run=args.dry_run, world_size=args.world_size,
                       as_json=args.json)
+
+
+def _export_hf(args) -> int:
+    from megatron_grpo.checkpoint import CheckpointError
+    from megatron_grpo.export import export_hf
+
+    try:
+        report = export_hf(args.checkpoint_dir, args.out_dir, dtype=args.dtype, model_dir=args.model_dir)
+    except (CheckpointError, FileNotFoundError, ValueError) as exc:
+        print(f"error: {exc}", flush=True)
+        return 2
+    print(f"wrote {len(report.files)} safetensors files + index, config and tokenizer to {report.out_dir}")
+    return 0
 
 
 def _doctor(args) -> int:
@@ -105,6 +118,16 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--verbose", action="store_true",
                        help="show every library's messages (by default known-harmless ones are filtered)")
     train.set_defaults(func=_train)
+    export = sub.add_parser("export-hf", help="a training checkpoint -> Hugging Face safetensors (sharded, with "
+                                              "index, config and tokenizer), streamed layer by layer")
+    export.add_argument("checkpoint_dir", metavar="CHECKPOINT_DIR",
+                        help="a checkpoint (step_N) or a checkpointing.checkpoint_dir (then its latest)")
+    export.add_argument("out_dir", metavar="OUT_DIR")
+    export.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
+                        help="weights dtype (default: the checkpoint's weights dtype)")
+    export.add_argument("--model-dir", default=None,
+                        help="HF folder whose config and tokenizer are copied (default: the one the run used)")
+    export.set_defaults(func=_export_hf)
     _add_diagnostics(sub)
     tiny = sub.add_parser("make-tiny-model", help="write a random-init tiny Qwen3(-MoE) HF checkpoint + tokenizer")
     tiny.add_argument("out_dir")

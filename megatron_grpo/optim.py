@@ -1,142 +1,192 @@
-"""The optimizer behind one interface: AdamW on fp32 master weights, dynamic loss scaling for fp16.
+"""Megatron-Core's DDP, optimizer and LR scheduler: the one training path, on CPU and GPU.
 
-Megatron's own optimizers hard-code CUDA tensors in 0.16.1; on CPU this module gives the
-same behaviour (fp32 master copies of half-precision weights, grad clipping across TP,
-a dynamic loss scaler for fp16 that skips steps with inf/NaN gradients).
+- ``wrap_model``: ``megatron.core.distributed.DistributedDataParallel`` (bucketed gradient
+  buffers in ``param.main_grad``, reduced over data parallelism, optionally overlapped with the
+  backward; reduce-scattered for the distributed optimizer).
+- ``Optimizer``: ``get_megatron_optimizer`` (fp32 params; bf16/fp16 params with fp32 main
+  params; fp16 dynamic loss scaling; the distributed optimizer) and ``OptimizerParamScheduler``.
+- ``configure_schedule``: the hooks Megatron's pipeline schedules call (``finalize_model_grads``,
+  loss scaling, ``no_sync`` / grad and param sync for overlap).
+
+Losses are already normalised by the *global* valid-token count, so gradients are summed over
+data-parallel ranks (``calculate_per_token_loss=True``: DDP's scaling factor is 1) and
+``finalize_model_grads`` runs without its division by the token count. The CPU spots of
+Megatron's optimizers are shimmed in ``parallel/cpu.py`` only.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Dict, List
 
 import torch
 
-from megatron_grpo.config import OptimizerConfig, PrecisionConfig
-from megatron_grpo.parallel import grads as grad_utils
+from megatron_grpo.config import Config, to_dtype
 
 
-class DynamicLossScaler:
-    """Scales the loss up; halves on overflow, doubles after ``window`` clean steps."""
+def ddp_config(cfg: Config):
+    """Megatron's ``DistributedDataParallelConfig`` for the recipe. Without master weights the
+    gradient buffers are in the params' dtype (the optimizer updates the params with them)."""
+    from megatron.core.distributed import DistributedDataParallelConfig
 
-    def __init__(self, initial: float, minimum: float, window: int):
-        self.scale, self.minimum, self.window, self.clean_steps = float(initial), float(minimum), int(window), 0
+    m, p = cfg.policy.megatron_cfg, cfg.policy.precision
+    d = m.distributed_data_parallel_config
+    return DistributedDataParallelConfig(
+        grad_reduce_in_fp32=d.grad_reduce_in_fp32 and p.master_weights,
+        overlap_grad_reduce=d.overlap_grad_reduce, overlap_param_gather=d.overlap_param_gather,
+        use_distributed_optimizer=m.optimizer.use_distributed_optimizer, bucket_size=d.bucket_size,
+        check_for_nan_in_grad=d.check_for_nan_in_grad)
 
-    def update(self, overflow: bool) -> None:
-        if overflow:
-            self.scale, self.clean_steps = max(self.scale / 2, self.minimum), 0
-            return
-        self.clean_steps += 1
-        if self.clean_steps >= self.window:
-            self.scale, self.clean_steps = self.scale * 2, 0
 
-    def state_dict(self) -> Dict:
-        return {"scale": self.scale, "clean_steps": self.clean_steps}
+def wrap_model(model, cfg: Config):
+    """This rank's model (a ``GPTModel``, possibly in ``Float16Module``) inside Megatron's DDP."""
+    from megatron.core.distributed import DistributedDataParallel
 
-    def load_state_dict(self, state: Dict) -> None:
-        self.scale, self.clean_steps = float(state["scale"]), int(state["clean_steps"])
+    from megatron_grpo.models import unwrap
+
+    return DistributedDataParallel(config=unwrap(model).config, ddp_config=ddp_config(cfg), module=model)
+
+
+def optimizer_config(cfg: Config):
+    """Megatron's ``OptimizerConfig`` for the recipe (NeMo-RL's ``megatron_cfg.optimizer`` keys)."""
+    from megatron.core.optimizer import OptimizerConfig
+
+    o, p = cfg.policy.megatron_cfg.optimizer, cfg.policy.precision
+    params_dtype = to_dtype(p.params_dtype)
+    return OptimizerConfig(
+        optimizer=o.optimizer, lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay, adam_beta1=o.adam_beta1,
+        adam_beta2=o.adam_beta2, adam_eps=o.adam_eps, sgd_momentum=o.sgd_momentum, clip_grad=o.clip_grad,
+        bf16=p.master_weights and params_dtype == torch.bfloat16, fp16=uses_loss_scaler(cfg),
+        params_dtype=params_dtype, initial_loss_scale=p.initial_loss_scale, min_loss_scale=p.min_loss_scale,
+        loss_scale_window=p.loss_scale_window, hysteresis=p.hysteresis,
+        use_distributed_optimizer=o.use_distributed_optimizer,
+        overlap_param_gather=cfg.policy.megatron_cfg.distributed_data_parallel_config.overlap_param_gather)
+
+
+def uses_loss_scaler(cfg: Config) -> bool:
+    """fp16 params or fp16 compute (autocast over fp32 params): Megatron's mixed-precision
+    optimizer with its dynamic loss scaler (fp32 params are used as their own main params)."""
+    p = cfg.policy.precision
+    return p.master_weights and "float16" in (p.params_dtype, p.compute_dtype)
+
+
+def finalize_grads(model_chunks, num_tokens=None, **kwargs) -> None:
+    """Megatron's ``finalize_model_grads`` (DP / expert-DP reduction, TP-partial QK-norm and
+    sequence-parallel grads, embedding ties across PP stages) without the division by the token
+    count: our losses are already global token means."""
+    from megatron.core.distributed import finalize_model_grads
+
+    finalize_model_grads(model_chunks, None, **kwargs)
+
+
+def configure_schedule(model, optimizer: "Optimizer", cfg: Config) -> None:
+    """Sets the hooks Megatron's schedules read from the model config."""
+    from megatron_grpo.models import unwrap
+
+    config, d = unwrap(model).config, cfg.policy.megatron_cfg.distributed_data_parallel_config
+    config.finalize_model_grads_func = finalize_grads
+    config.grad_scale_func = optimizer.megatron.scale_loss if optimizer.has_loss_scaler else None
+    config.no_sync_func = model.no_sync
+    config.grad_sync_func = model.start_grad_sync if d.overlap_grad_reduce else None
+    config.param_sync_func = model.start_param_sync if d.overlap_param_gather else None
 
 
 class Optimizer:
-    """AdamW over the model's parameters, with fp32 master weights when the params are half."""
+    """Megatron's optimizer and LR scheduler for a DDP-wrapped model, with the trainer's skip policy:
+    a non-finite gradient skips the update. With fp16 loss scaling that is the scaler's back-off
+    (``train/skipped_overflow``) while the scale is above its minimum; otherwise it counts as a
+    non-finite skip (``train/skipped_nonfinite``, limited by ``grpo.max_consecutive_skips``)."""
 
-    def __init__(self, model: torch.nn.Module, cfg: OptimizerConfig, precision: PrecisionConfig):
-        self.cfg = cfg
-        self.named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        grad_utils.tag_expert_params(self.named)
-        self.params: List[torch.nn.Parameter] = [p for _, p in self.named]
-        self.half = any(p.dtype != torch.float32 for p in self.params)
-        self.master = [p.detach().float().clone().requires_grad_(True) for p in self.params] if self.half else self.params
-        self._index = {id(p): i for i, p in enumerate(self.params)}
-        self.adam = torch.optim.AdamW(self.master, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
-                                      eps=cfg.adam_eps, weight_decay=cfg.weight_decay)
-        fp16 = precision.params_dtype == "float16" or precision.compute_dtype == "float16"
-        self.scaler = (DynamicLossScaler(precision.initial_loss_scale, precision.min_loss_scale,
-                                         precision.loss_scale_window) if fp16 else None)
+    def __init__(self, model, cfg: Config):
+        from megatron.core.optimizer import get_megatron_optimizer
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-    def master_of(self, param: torch.nn.Parameter) -> torch.Tensor:
-        """The fp32 tensor the optimizer updates for ``param`` (the param itself unless half)."""
-        return self.master[self._index[id(param)]] if self.half else param
+        self.model, self.cfg = model, cfg
+        self.megatron = get_megatron_optimizer(optimizer_config(cfg), [model])
+        o, s = cfg.policy.megatron_cfg.optimizer, cfg.policy.megatron_cfg.scheduler
+        decay = s.lr_decay_iters or max(cfg.grpo.max_num_steps, s.lr_warmup_iters + 1)
+        self.scheduler = OptimizerParamScheduler(
+            self.megatron, init_lr=s.lr_warmup_init, max_lr=o.lr, min_lr=o.min_lr, lr_warmup_steps=s.lr_warmup_iters,
+            lr_decay_steps=decay, lr_decay_style=s.lr_decay_style, start_wd=o.weight_decay, end_wd=o.weight_decay,
+            wd_incr_steps=decay, wd_incr_style="constant")
+        self.has_loss_scaler = uses_loss_scaler(cfg)
+        self.min_loss_scale = cfg.policy.precision.min_loss_scale
+        configure_schedule(model, self, cfg)
 
-    def moment(self, param: torch.nn.Parameter, key: str) -> torch.Tensor:
-        """AdamW's ``exp_avg`` / ``exp_avg_sq`` of ``param`` (zeros before the first step)."""
-        master = self.master_of(param)
-        state = self.adam.state.get(master)
-        return state[key] if state and key in state else torch.zeros_like(master, dtype=torch.float32)
+    @property
+    def chained(self) -> List:
+        """The underlying optimizers (dense and, with experts, expert parameters)."""
+        return list(getattr(self.megatron, "chained_optimizers", [self.megatron]))
 
-    def adam_step(self) -> int:
-        steps = [int(st["step"]) for st in self.adam.state.values() if "step" in st]
-        return max(steps, default=0)
-
-    def init_state(self, step: int) -> None:
-        """Creates AdamW state (zero moments at ``step``) for every parameter, to be filled by a load."""
-        for m in self.master:
-            self.adam.state[m] = {"step": torch.tensor(float(step)), "exp_avg": torch.zeros_like(m, dtype=torch.float32),
-                                  "exp_avg_sq": torch.zeros_like(m, dtype=torch.float32)}
-
-    def sync_params_from_master(self) -> None:
-        if self.half:
-            with torch.no_grad():
-                for p, m in zip(self.params, self.master):
-                    p.copy_(m.to(p.dtype))
+    @property
+    def params(self) -> List[torch.nn.Parameter]:
+        """The model's trainable parameters (their reduced gradients are in ``main_grad``)."""
+        return [p for p in self.model.parameters() if p.requires_grad]
 
     def loss_scale(self) -> float:
-        return self.scaler.scale if self.scaler else 1.0
+        return float(self.megatron.get_loss_scale())
 
     def zero_grad(self) -> None:
-        for p in self.params:
-            p.grad = None
-        if self.half:
-            for m in self.master:
-                m.grad = None
+        """Zeroes DDP's gradient buffers and the optimizer's main gradients."""
+        self.model.zero_grad_buffer()
+        self.megatron.zero_grad()
 
-    def reduce_gradients(self) -> None:
-        """Sums gradients over DP (and partial TP grads over TP); ``step`` does it unless told it is done."""
-        grad_utils.all_reduce_gradients(self.named)
+    def step(self) -> Dict[str, torch.Tensor]:
+        """Unscale + found-inf (fp16) -> global grad norm -> skip if non-finite, else clip and update
+        (then the LR scheduler). Returns ``train/grad_norm``, ``train/lr`` and the skip flags."""
+        from megatron_grpo.forward import model_device
 
-    def step(self, reduced: bool = False) -> Dict[str, torch.Tensor]:
-        """Reduces grads over DP, unscales, clips, steps (unless non-finite). Returns grad-norm metrics.
-
-        A non-finite gradient skips the step. With fp16 loss scaling that is the scaler's normal
-        back-off (``train/skipped_overflow``) while the scale is above its minimum; only at the
-        minimum scale does it count as a non-finite skip (``train/skipped_nonfinite``), which
-        ``grpo.max_consecutive_skips`` limits."""
-        if not reduced:
-            self.reduce_gradients()
-        scale = self.loss_scale()
-        if scale != 1.0:
-            for p in self.params:
-                if p.grad is not None:
-                    p.grad.div_(scale)
-        norm = grad_utils.global_grad_norm(self.params)
-        finite = bool(torch.isfinite(norm))  # one host sync per step: decides whether to step
-        overflow = not finite and self.scaler is not None and self.scaler.scale > self.scaler.minimum
-        if self.scaler is not None:
-            self.scaler.update(not finite)
-        flags = {"train/skipped_nonfinite": torch.tensor(float(not finite and not overflow), device=norm.device),
-                 "train/skipped_overflow": torch.tensor(float(overflow), device=norm.device)}
-        if not finite:
+        device = model_device(self.model)
+        scale_before = self.loss_scale()
+        found_inf = self.megatron.prepare_grads()  # fp16: unscales, checks, updates the scaler
+        norm = float("nan") if found_inf else float(self.megatron.get_grad_norm())
+        finite = math.isfinite(norm)
+        overflow = not finite and self.has_loss_scaler and scale_before > self.min_loss_scale
+        lr = self.megatron.param_groups[0]["lr"]  # the rate this update uses
+        if finite:
+            self._clip(norm)
+            self.megatron.step_with_ready_grads()
+            self._sync_params()
+            self.scheduler.step(increment=1)
+        else:
             self.zero_grad()
-            return {"train/grad_norm": norm.float(), **flags}
-        grad_utils.clip_gradients(self.params, self.cfg.clip_grad, norm)
-        if self.half:
-            for p, m in zip(self.params, self.master):
-                m.grad = None if p.grad is None else p.grad.float()
-        self.adam.step()
-        if self.half:
-            with torch.no_grad():
-                for p, m in zip(self.params, self.master):
-                    p.copy_(m.to(p.dtype))
-        return {"train/grad_norm": norm.float(), **flags}
+        flag = lambda value: torch.tensor(float(value), device=device)  # noqa: E731
+        return {"train/grad_norm": flag(norm), "train/lr": flag(lr),
+                "train/skipped_nonfinite": flag(not finite and not overflow), "train/skipped_overflow": flag(overflow)}
 
-    def state_dict(self) -> Dict:
-        return {"adam": self.adam.state_dict(), "master": [m.detach().clone() for m in self.master] if self.half else None,
-                "scaler": self.scaler.state_dict() if self.scaler else None}
+    def _clip(self, norm: float) -> None:
+        from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 
-    def load_state_dict(self, state: Dict) -> None:
-        self.adam.load_state_dict(state["adam"])
-        if self.half and state.get("master") is not None:
-            with torch.no_grad():
-                for m, saved in zip(self.master, state["master"]):
-                    m.copy_(saved)
-        if self.scaler and state.get("scaler"):
-            self.scaler.load_state_dict(state["scaler"])
+        for opt in self.chained:
+            params = opt.get_parameters()
+            if opt.config.clip_grad <= 0 or not params or getattr(opt, "is_stub_optimizer", False):
+                continue
+            grads = [p.grad for p in params if p.grad is not None]
+            if all(g.dtype == torch.float32 for g in grads):
+                clip_grad_by_total_norm_fp32(params, opt.config.clip_grad, norm,
+                                             opt.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8)
+            elif opt.config.clip_grad / (norm + 1.0e-6) < 1.0:  # master_weights=false: grads in the params' dtype
+                torch._foreach_mul_(grads, opt.config.clip_grad / (norm + 1.0e-6))
+
+    def _sync_params(self) -> None:
+        """With ``overlap_param_gather`` the distributed optimizer leaves the all-gather of updated
+        params to the next forward; the trainer reads them at once (shadow forward, weight push)."""
+        if self.cfg.policy.megatron_cfg.distributed_data_parallel_config.overlap_param_gather:
+            self.model.start_param_sync(force_sync=True)
+
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state on this rank: main params (when separate from the model's) and moments."""
+        seen, total = set(), 0
+        model_storage = {p.untyped_storage().data_ptr() for p in self.model.parameters()}
+        for opt in self.chained:
+            for state in opt.optimizer.state.values():
+                for value in state.values():
+                    if torch.is_tensor(value) and value.dim() > 0 and id(value) not in seen:
+                        seen.add(id(value))
+                        total += value.numel() * value.element_size()
+            for group in opt.optimizer.param_groups:
+                for param in group["params"]:
+                    if id(param) not in seen and param.untyped_storage().data_ptr() not in model_storage:
+                        seen.add(id(param))
+                        total += param.numel() * param.element_size()
+        return total

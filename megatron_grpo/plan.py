@@ -3,11 +3,13 @@
 Pure arithmetic (no torch.distributed, no model building): ``--dry-run`` prints it, and a run
 with ``cluster.gpu_memory_gib`` set stops before building anything when it does not fit.
 
-Exact (counted like the built model): parameters, gradients and optimizer state of the
-current code. Estimates: activations (Korthikanti et al. 2022, "Reducing Activation
-Recomputation in Large Transformer Models", eq. 1-2: s*b*h*(34 + 5*a*s/h) bytes per layer in
-16-bit), the logits and the log-prob chunk buffers (upper bounds: every sequence padded to
-``generation.max_model_len``), and the generator (vLLM's reservation, or weights + KV cache).
+Exact (counted like the built model and Megatron-Core's allocation, tested on the tiny models):
+parameters, gradients (DDP's grad buffer) and optimizer state (Megatron's optimizer, replicated
+or distributed; both columns shown, ``total`` counts the recipe's). Estimates: activations
+(Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models",
+eq. 1-2: s*b*h*(34 + 5*a*s/h) bytes per layer in 16-bit), the logits and the log-prob chunk
+buffers (upper bounds: every sequence padded to ``generation.max_model_len``), and the generator
+(vLLM's reservation, or weights + KV cache).
 """
 
 from __future__ import annotations
@@ -24,10 +26,11 @@ LAYOUT_KEYS = (MC + "tensor_model_parallel_size", MC + "pipeline_model_parallel_
 EXPERT_KEYS = (MC + "expert_model_parallel_size", MC + "expert_tensor_parallel_size")
 ACTIVATION_KEYS = ("policy.train_micro_batch_size", "generation.max_model_len", MC + "tensor_model_parallel_size",
                    MC + "context_parallel_size")
-ADAM_BYTES = 8
-"""AdamW's exp_avg + exp_avg_sq, fp32."""
-MASTER_BYTES = 4
-"""fp32 master copy of a half-precision parameter."""
+MAIN_PARAM_BYTES = 4
+"""Megatron's fp32 main copy of a half-precision parameter (master weights)."""
+DDP_PARAM_ALIGN, DDP_BUCKET_ALIGN = 64, 128
+"""Distributed optimizer only: DDP starts every parameter at a multiple of 64 elements in its buffers
+and ends every bucket at a multiple of lcm(DP x CP, 128) (``param_and_grad_buffer.py``)."""
 KORTHIKANTI_REPLICATED, KORTHIKANTI_SHARDED = 10, 24
 """Activation bytes per token per hidden unit of one layer in 16-bit, 34 in all (attention 11, MLP 19,
 norms 4): without sequence parallelism 10 are replicated over TP and 24 split by it."""
@@ -70,7 +73,7 @@ class MemoryPlan:
     expert_dp: int
     terms: List[Term]
     distributed_optimizer: bool
-    """Which optimizer column ``total`` counts (cluster.assume_distributed_optimizer)."""
+    """Which optimizer column ``total`` counts (policy.megatron_cfg.optimizer.use_distributed_optimizer)."""
     budget_gib: Optional[float] = None
 
     def term(self, name: str) -> Term:
@@ -122,27 +125,82 @@ def count_params(shape: ModelShape, *, tp: int = 1, pp: int = 1, ep: int = 1, et
     return ParamCount(num_dense, num_layers_local * expert // (ep * etp))
 
 
-def optimizer_bytes(count: ParamCount, params_dtype: str, *, dp: int = 1, expert_dp: int = 1) -> float:
-    """AdamW state (+ fp32 master weights for half params); ``dp`` / ``expert_dp`` > 1 = Megatron's
-    distributed optimizer (ZeRO-1) sharding it over the (expert-)data-parallel group."""
-    per_param = ADAM_BYTES + (MASTER_BYTES if DTYPES[params_dtype].itemsize < 4 else 0)
+def fused_optimizer_available() -> bool:
+    """Megatron-Core takes Transformer Engine's (else Apex's) FusedAdam when importable and falls back
+    to torch's AdamW (``megatron/core/optimizer/__init__.py``); only the moments' dtype without master
+    weights depends on it."""
+    import importlib.util
+
+    return any(importlib.util.find_spec(name) is not None for name in ("transformer_engine", "apex"))
+
+
+def grad_dtype(cfg: Config) -> str:
+    """Dtype of DDP's grad buffer (``optim.ddp_config``): fp32 with ``grad_reduce_in_fp32`` and master
+    weights, else the params' dtype (``master_weights=false``: the optimizer updates the params with it)."""
+    p = cfg.policy.precision
+    fp32 = cfg.policy.megatron_cfg.distributed_data_parallel_config.grad_reduce_in_fp32 and p.master_weights
+    return "float32" if fp32 else p.params_dtype
+
+
+def optimizer_state(cfg: Config, fused: Optional[bool] = None) -> Tuple[float, str]:
+    """(bytes per parameter, description) of Megatron's optimizer state for the recipe.
+
+    Half params with master weights: an fp32 main copy (``Float16OptimizerWithFloat16Params`` /
+    ``DistributedOptimizer``); fp32 params are their own main params. Adam: exp_avg + exp_avg_sq of
+    the main params, fp32 with master weights; with ``master_weights=false`` torch's AdamW allocates
+    them like the params (bf16), TE's / Apex's FusedAdam in fp32 (``fused``: None = whichever Megatron
+    would import here). SGD: one momentum buffer (none at momentum 0). With half gradients and master
+    weights (``grad_reduce_in_fp32=false``) the optimizer also keeps an fp32 copy of the gradient
+    (``main_param.grad = main_grad.float()``) from the step to the next ``zero_grad``."""
+    p, o = cfg.policy.precision, cfg.policy.megatron_cfg.optimizer
+    half = DTYPES[p.params_dtype].itemsize < 4
+    main = p.master_weights and half
+    if o.optimizer == "adam":
+        fused = fused_optimizer_available() if fused is None else fused
+        moment_dtype = "float32" if p.master_weights or fused else p.params_dtype
+        num_moments, name = 2, "Adam moments"
+    else:
+        moment_dtype = "float32" if p.master_weights else p.params_dtype
+        num_moments, name = (1 if o.sgd_momentum else 0), "SGD momentum"
+    grad_copy = main and DTYPES[grad_dtype(cfg)].itemsize < 4
+    per_param = ((MAIN_PARAM_BYTES if main else 0) + num_moments * DTYPES[moment_dtype].itemsize
+                 + (4 if grad_copy else 0))
+    parts = ["fp32 main params"] if main else []
+    parts += [f"{num_moments} {name} in {moment_dtype}"] if num_moments else []
+    parts += ["fp32 copy of the half grads"] if grad_copy else []
+    text = " + ".join(parts) or "no state"
+    if not half:
+        text += " (fp32 params are their own main params)"
+    elif not p.master_weights:
+        text += " (master_weights=false: no main params)"
+    return per_param, text
+
+
+def optimizer_bytes(count: ParamCount, per_param: float, *, dp: int = 1, expert_dp: int = 1) -> float:
+    """``per_param`` bytes (``optimizer_state``) for this rank's parameters; ``dp`` / ``expert_dp`` > 1 =
+    Megatron's distributed optimizer (ZeRO-1) sharding them over the (expert-)data-parallel group."""
     return per_param * (count.num_dense_local / dp + count.num_expert_local / expert_dp)
 
 
-def _state_terms(cfg: Config, count: ParamCount, dp: int, expert_dp: int) -> List[Term]:
-    dtype = cfg.policy.precision.params_dtype
-    size, half = DTYPES[dtype].itemsize, DTYPES[dtype].itemsize < 4
+def _state_terms(cfg: Config, count: ParamCount, dp_cp: int, expert_dp: int) -> List[Term]:
+    p, m = cfg.policy.precision, cfg.policy.megatron_cfg
+    dtype, grads = p.params_dtype, grad_dtype(cfg)
     keys = LAYOUT_KEYS + EXPERT_KEYS + ("policy.precision.params_dtype",)
-    grad_note = (f".grad in {dtype}" + (" + fp32 master grads during the step" if half else "") +
-                 " (current optimizer; Megatron DDP would keep one fp32 buffer with grad_reduce_in_fp32)")
+    per_param, state = optimizer_state(cfg)
+    padding = ("" if not m.optimizer.use_distributed_optimizer else
+               f" + padding, not counted (< {DDP_PARAM_ALIGN} elements per tensor, < lcm(DP x CP, {DDP_BUCKET_ALIGN}) "
+               "per bucket; tiny MoE at DP=2: +0.02%)")
     return [
-        Term("parameters", size * count.num_local, keys,
-             f"{count.num_local / 1e9:.3f}B params ({count.num_expert_local / 1e9:.3f}B expert) in {dtype}"),
-        Term("gradients", (size + (4 if half else 0)) * count.num_local, keys, grad_note),
-        Term("optimizer (replicated)", optimizer_bytes(count, dtype), keys + ("cluster.assume_distributed_optimizer",),
-             "AdamW moments" + (" + fp32 master" if half else "") + " on every DP rank (current code)"),
-        Term("optimizer (distributed)", optimizer_bytes(count, dtype, dp=dp, expert_dp=expert_dp), keys,
-             f"ZeRO-1: dense over DP={dp}, experts over expert-DP={expert_dp} (Megatron's distributed optimizer)"),
+        Term("parameters", DTYPES[dtype].itemsize * count.num_local, keys,
+             f"{count.num_local / 1e9:.3f}B params ({count.num_expert_local / 1e9:.3f}B expert) in {dtype}"
+             + (" (DDP's param buffer)" + padding if padding else "")),
+        Term("gradients", DTYPES[grads].itemsize * count.num_local,
+             keys + ((MC + "distributed_data_parallel_config.grad_reduce_in_fp32",) if grads != dtype else ()),
+             f"DDP's grad buffer (main_grad) in {grads}, whole on every rank" + padding),
+        Term("optimizer (replicated)", optimizer_bytes(count, per_param),
+             keys + (MC + "optimizer.use_distributed_optimizer",), f"{state}, on every DP rank"),
+        Term("optimizer (distributed)", optimizer_bytes(count, per_param, dp=dp_cp, expert_dp=expert_dp), keys,
+             f"{state}, sharded: dense over DP x CP={dp_cp}, experts over expert-DP={expert_dp}"),
     ]
 
 
@@ -204,13 +262,17 @@ def _logit_terms(cfg: Config, shape: ModelShape) -> List[Term]:
 
 
 def generator_colocated(cfg: Config) -> bool:
-    """Rank 0 runs the generator on its own device unless a ``vllm_server`` URL points elsewhere."""
-    return cfg.generation.backend == "vllm" or cfg.generation.server_url is None
+    """The engines share the trainer's devices (``generation.colocated``) unless servers run elsewhere;
+    ``megatron`` has no engine of its own (the trainer's weights; its KV cache lives only while it generates)."""
+    return bool(cfg.generation.colocated) and not cfg.generation.urls and cfg.generation.backend != "megatron"
 
 
 def generator_weight_bytes(cfg: Config, shape: ModelShape) -> float:
-    """The whole model in the generation dtype (the engine runs vLLM on one device, TP = 1)."""
-    return count_params(shape).num_local * DTYPES[cfg.policy.precision.generation_dtype].itemsize
+    """One engine's weights on one of its devices: the model in the generation dtype over its
+    ``generation.tensor_parallel_size`` devices (colocated engine e sits on ranks e*TP ...; more
+    engines than devices would share them: the dry run says so)."""
+    return (count_params(shape).num_local * DTYPES[cfg.policy.precision.generation_dtype].itemsize
+            / cfg.generation.tensor_parallel_size)
 
 
 def _generator_term(cfg: Config, shape: ModelShape, budget_gib) -> Term:
@@ -233,13 +295,13 @@ def _stage_plan(cfg: Config, shape: ModelShape, world_size: int, stage: int) -> 
                        m.expert_tensor_parallel_size)
     dp, expert_dp = world_size // (tp * pp * m.context_parallel_size), world_size // (ep * etp * pp)
     count = count_params(shape, tp=tp, pp=pp, ep=ep, etp=etp, stage=stage)
-    terms = _state_terms(cfg, count, dp, expert_dp) + _activation_terms(cfg, shape, stage, dp)
+    terms = _state_terms(cfg, count, dp * m.context_parallel_size, expert_dp) + _activation_terms(cfg, shape, stage, dp)
     if stage == pp - 1:
         terms += _logit_terms(cfg, shape)
     if stage == 0 and generator_colocated(cfg):
         terms.append(_generator_term(cfg, shape, cfg.cluster.gpu_memory_gib))
     return MemoryPlan(stage=stage, num_stages=pp, dp=dp, expert_dp=expert_dp, terms=terms,
-                      distributed_optimizer=cfg.cluster.assume_distributed_optimizer,
+                      distributed_optimizer=cfg.policy.megatron_cfg.optimizer.use_distributed_optimizer,
                       budget_gib=cfg.cluster.gpu_memory_gib)
 
 

@@ -1,7 +1,30 @@
-"""Saving and loading a run (collective over all ranks); file layout in ``checkpoint.py``."""
+"""Saving and loading a run (collective over all ranks) with ``megatron.core.dist_checkpointing``.
+
+A checkpoint folder holds the torch_dist files of the model and optimizer state (every rank
+writes the shards it owns, in parallel; ``sharded_state.py`` says what they hold) and
+``trainer_state.pt`` (rank 0): step, policy version, data position, staleness and skip counters,
+the parity baseline, every rank's RNG states, the LR scheduler's and loss scalers' state dicts
+and the optimizer's step count. ``checkpoint.py`` makes it atomic (temporary folder, manifest,
+rename, ``latest`` last) and verifies it on load.
+
+No rank gathers the model or the optimizer state: with TP / DP / EP each rank writes and reads
+only its own part, and a checkpoint loads at another TP / DP (/ EP) layout, with or without the
+distributed optimizer (state resharded, see ``sharded_state.py``). Replicated model shards are
+written by one data-parallel rank each, spread over the DP group (Megatron's fully parallel
+save strategy).
+
+With ``checkpointing.async_save`` Megatron's asynchronous save is used: the shards are
+snapshotted when the save starts (on GPU copied to host memory; on CPU the writer process is
+forked, so its copy-on-write view is the snapshot) and written by a background process while
+training goes on; the next save (or the end of the run, ``finish_pending_save``) waits for it and
+finalizes the checkpoint. Until then ``latest`` names the previous checkpoint, so a crash in
+between resumes from that one.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import glob
 import logging
 import os
 from typing import Optional
@@ -10,55 +33,247 @@ import torch
 import torch.distributed as dist
 
 from megatron_grpo import checkpoint as ckpt
-from megatron_grpo.models.weights import export_hf_tensors, load_hf_weights
+from megatron_grpo import sharded_state
 from megatron_grpo.parallel import comm
 
 logger = logging.getLogger(__name__)
 
+FORMAT = 2
+"""``trainer_state.pt``'s ``format``: 2 = dist_checkpointing (1, HF safetensors, is no longer read)."""
 
-def _gather(model, shape, source, keep: bool) -> Optional[dict]:
-    """Collective export of per-parameter tensors (every rank joins); HF-named copies where ``keep``."""
-    tensors = {}
-    for name, tensor in export_hf_tensors(model, shape, include_tied_lm_head=False, source=source):
-        if keep:
-            tensors[name] = tensor.detach().float().contiguous().clone()
-    return tensors if keep else None
+
+_pending = None
+"""The asynchronous save in flight (``checkpointing.async_save``): finalized by ``finish_pending_save``."""
+
+
+@dataclasses.dataclass
+class _PendingSave:
+    queue: object
+    out: ckpt.CheckpointWriter
+    cfg: object
+    step: int
 
 
 def save_checkpoint(trainer) -> str:
     """Writes step ``trainer.step`` atomically under ``checkpointing.checkpoint_dir``; returns its folder.
-    A failed write on rank 0 (a full disk) removes the partial folder and, after the collectives,
-    raises on every rank a ``CheckpointError`` naming the file."""
-    from safetensors.torch import save_file
-
+    A failed write on any rank (a full disk) removes the partial folder and raises, on every rank,
+    a ``CheckpointError`` naming the file. With ``checkpointing.async_save`` the shards are written
+    in the background and the checkpoint is finalized (manifest, rename, ``latest``) by the next
+    save or by ``finish_pending_save`` (the end of the run)."""
+    global _pending
+    finish_pending_save()
     ctx, cfg = trainer.ctx, trainer.cfg.checkpointing
-    out = ckpt.CheckpointWriter(os.path.join(cfg.checkpoint_dir, f".step_{trainer.step:07d}.tmp"), ctx.rank == 0)
+    tmp = os.path.join(cfg.checkpoint_dir, f".step_{trainer.step:07d}.tmp")
+    out = ckpt.CheckpointWriter(tmp, ctx.rank == 0)
+    _raise_agreed(out.error)
     opt = ctx.optimizer
-    files = {ckpt.MODEL_FILE: lambda n, p: opt.master_of(p),
-             ckpt.EXP_AVG_FILE: lambda n, p: opt.moment(p, "exp_avg"),
-             ckpt.EXP_AVG_SQ_FILE: lambda n, p: opt.moment(p, "exp_avg_sq")}
-    for filename, source in files.items():
-        tensors = _gather(ctx.model, ctx.shape, source, keep=out.writing)
-        out.write(filename, lambda path, tensors=tensors: save_file(tensors, path))
+    step = _agreed_max(sharded_state.optimizer_step(opt.megatron))
+    with_state = bool(_agreed_max(int(sharded_state.has_state(opt.megatron))))
+    main = bool(_agreed_max(int(sharded_state.has_separate_main_params(opt.megatron))))
+    error, request = None, None
+    try:
+        request = save_sharded(ctx.model, opt, tmp, with_state, async_save=cfg.async_save)
+    except BaseException as exc:  # noqa: BLE001 - torch's CheckpointException derives from BaseException
+        if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+            raise
+        error = _save_failure(exc, tmp)
+    _raise_first_error(error, tmp, ctx.rank)
     rngs = [None] * dist.get_world_size()
     dist.all_gather_object(rngs, ckpt.rng_state())
-    out.write(ckpt.STATE_FILE, lambda path: torch.save(_trainer_state(trainer, rngs), path))
-    final = out.finalize(cfg.checkpoint_dir, trainer.step, cfg.keep_last_n)
+    out.write(ckpt.STATE_FILE, lambda path: torch.save(trainer_state(trainer, rngs, step, with_state, main), path))
+    if request is None:
+        return _finalize(out, cfg, trainer.step)
+    _raise_agreed(out.error)
+    from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+    queue = AsyncCallsQueue()
+    queue.schedule_async_request(request)
+    _pending = _PendingSave(queue, out, cfg, trainer.step)
+    return ckpt.step_dir(cfg.checkpoint_dir, trainer.step)
+
+
+def finish_pending_save() -> Optional[str]:
+    """Collective: waits for the asynchronous save in flight (if any) and finalizes it; returns
+    its folder. A failed background write is a ``CheckpointError`` (partial folder removed)."""
+    global _pending
+    if _pending is None:
+        return None
+    pending, _pending = _pending, None
+    error = None
+    try:
+        pending.queue.maybe_finalize_async_calls(blocking=True)
+    except BaseException as exc:  # noqa: BLE001 - CheckpointException (BaseException) from the writers
+        if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+            raise
+        error = _save_failure(exc, pending.out.tmp)
+    finally:
+        pending.queue.close()
+    _raise_first_error(error, pending.out.tmp, dist.get_rank())
+    return _finalize(pending.out, pending.cfg, pending.step)
+
+
+def _finalize(out: ckpt.CheckpointWriter, cfg, step: int) -> str:
+    """Rank 0 writes the manifest, renames the folder and moves ``latest``; the result (or its
+    error) on every rank."""
+    final = out.finalize(cfg.checkpoint_dir, step, cfg.keep_last_n)
     if final:
         logger.info("saved checkpoint %s", final)
     dist.barrier()
     result = comm.broadcast_object(out.error or final)
-    if isinstance(result, Exception):
+    if isinstance(result, BaseException):
         raise result
     return result
 
 
-def _trainer_state(trainer, rngs) -> dict:
-    opt = trainer.ctx.optimizer
-    return {"step": trainer.step, "version": trainer.version, "data_position": trainer.ctx.sampler.position,
-            "dropped_stale": trainer.gate.dropped, "adam_step": opt.adam_step(),
-            "scaler": opt.scaler.state_dict() if opt.scaler else None, "rng": rngs,
-            "consecutive_skips": trainer.consecutive_skips, "parity": _parity_state(trainer)}
+def save_sharded(model, optimizer, path: str, with_state: bool, async_save: bool = False):
+    """Collective: the model's and the optimizer's sharded state dicts into the empty folder
+    ``path`` (torch_dist), each rank writing its own shards; with ``async_save`` the writes are
+    left to the returned ``AsyncRequest``."""
+    from megatron.core import dist_checkpointing
+    from megatron.core import parallel_state as ps
+    from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
+    from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
+
+    _use_fork_write_queue()
+    model_sd = sharded_state.model_sharded_state_dict(model)
+    optim_sd = sharded_state.optimizer_sharded_state_dict(optimizer.megatron, model_sd, with_state)
+    strategy = FullyParallelSaveStrategyWrapper(get_default_save_sharded_strategy("torch_dist"),
+                                                ps.get_data_parallel_group(with_context_parallel=True))
+    return dist_checkpointing.save({"model": model_sd, "optimizer": optim_sd}, path, sharded_strategy=strategy,
+                                   async_sharded_save=async_save)
+
+
+class _ForkWriteQueue:
+    """The torch_dist writers' results queue without a helper process (see ``_use_fork_write_queue``)."""
+
+    def __init__(self):
+        import multiprocessing
+
+        self._queue = multiprocessing.get_context("fork").Queue()
+
+    def put(self, item) -> None:
+        self._queue.put(item)
+
+    def get_nowait(self):
+        """Called once the writers are done (their results put, possibly still in the feeder thread's
+        pipe): waits briefly instead of failing on a not-yet-flushed queue."""
+        return self._queue.get(timeout=60)
+
+
+def _use_fork_write_queue() -> None:
+    """Megatron-Core 0.16.1's torch_dist writer collects the writer processes' results through a
+    spawn-mode ``multiprocessing.Manager``: a helper process that outlives a SIGKILLed trainer,
+    keeping its stdout/stderr open (a launcher waiting for them hangs), and that needs ``__main__``
+    guards in every entry point. The writers are forked (synchronous and asynchronous saves
+    alike), so a fork-context queue does the same job without a helper process."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    filesystem_async._get_write_results_queue = _ForkWriteQueue
+
+
+def load_sharded(model, optimizer, path: str, step: int, with_state: bool, main_params: bool) -> None:
+    """Collective: fills this rank's model weights and optimizer state (allocated if fresh) from
+    the torch_dist files of checkpoint ``path``, at this run's layout."""
+    from megatron.core import dist_checkpointing
+
+    from megatron_grpo.models import unwrap
+
+    model_sd = sharded_state.model_sharded_state_dict(model)
+    optim_sd = sharded_state.optimizer_sharded_state_dict(optimizer.megatron, model_sd, with_state,
+                                                          for_loading=True, main_params=main_params)
+    loaded = dist_checkpointing.load({"model": model_sd, "optimizer": optim_sd}, path)
+    unwrap(model).load_state_dict(loaded["model"], strict=True)
+    with torch.no_grad():
+        for key, pieces in optim_sd.items():
+            for piece, tensor in zip(pieces, loaded["optimizer"][key]):
+                if tensor.data_ptr() != piece.data.data_ptr():
+                    piece.data.copy_(tensor)
+    sharded_state.restore_step(optimizer.megatron, step, with_state)
+    if not main_params and sharded_state.has_separate_main_params(optimizer.megatron):
+        optimizer.megatron.reload_model_params()  # fp32 main params from the (checkpoint's) weights
+
+
+def trainer_state(trainer, rngs, optimizer_step: int, optimizer_state: bool, main_params: bool) -> dict:
+    """What ``trainer_state.pt`` holds (plain data: loadable with ``weights_only=True``)."""
+    ctx = trainer.ctx
+    opt = ctx.optimizer
+    return {"format": FORMAT, "step": trainer.step, "version": trainer.version,
+            "data_position": ctx.sampler.position, "dropped_stale": trainer.gate.dropped,
+            "consecutive_skips": trainer.consecutive_skips, "parity": _parity_state(trainer), "rng": rngs,
+            "optimizer_step": optimizer_step, "optimizer_state": optimizer_state, "main_params": main_params,
+            "scheduler": opt.scheduler.state_dict(), "scalers": _scaler_states(opt),
+            "model_dir": getattr(ctx, "model_dir", None)}
+
+
+def _scaler_states(opt) -> list:
+    return [o.grad_scaler.state_dict() if getattr(o, "grad_scaler", None) else None
+            for o in sharded_state.chained(opt.megatron)]
+
+
+def _agreed_max(value: int) -> int:
+    flag = torch.tensor(float(value), device=comm.collective_device())
+    return int(comm.all_reduce_max(flag, comm.world_group()).item())
+
+
+def _raise_first_error(error: Optional[ckpt.CheckpointError], tmp: str, rank: int) -> None:
+    """Every rank's save error gathered: if any rank failed, rank 0 removes the partial folder and
+    every rank raises the first error (by rank)."""
+    errors = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, None if error is None else str(error))
+    first = next((e for e in errors if e is not None), None)
+    if first is None:
+        return
+    if rank == 0:
+        ckpt.remove_partial(tmp)
+    raise ckpt.CheckpointError(first)
+
+
+def _raise_agreed(error: Optional[BaseException]) -> None:
+    """Rank 0's error (or None), raised on every rank."""
+    error = comm.broadcast_object(error)
+    if error is not None:
+        raise error
+
+
+def _save_failure(exc: BaseException, tmp: str) -> ckpt.CheckpointError:
+    """A ``CheckpointError`` naming the file whose write failed. torch's ``CheckpointException``
+    lists the failing ranks (``failures``); a writer's ``OSError`` does not carry the file name,
+    so the failing rank's shard files (``__<rank>_<n>.distcp``) are named."""
+    failures = getattr(exc, "failures", None) or {}
+    for rank, wrapped in sorted(failures.items()):
+        inner = wrapped[0] if isinstance(wrapped, tuple) else wrapped
+        inner = _root_cause(inner)
+        files = sorted(glob.glob(os.path.join(tmp, f"__{rank}_*.distcp")))
+        path = getattr(inner, "filename", None) or (", ".join(files) if files else os.path.join(tmp, f"__{rank}_*.distcp"))
+        return ckpt.write_failure(path, inner, tmp)
+    inner = _root_cause(exc)
+    return ckpt.write_failure(getattr(inner, "filename", None) or tmp, inner, tmp)
+
+
+def _root_cause(exc: BaseException) -> BaseException:
+    """The innermost cause (a writer's ``OSError`` under Megatron's 'Worker failure' wrapper)."""
+    seen = set()
+    while getattr(exc, "__cause__", None) is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        exc = exc.__cause__
+    return exc
+
+
+def export_last(trainer) -> None:
+    """Collective: rank 0 exports the latest checkpoint to ``checkpointing.export_hf`` (a Hugging
+    Face model folder); an error is raised on every rank."""
+    from megatron_grpo.export import export_hf
+
+    cfg, result = trainer.cfg.checkpointing, None
+    if trainer.ctx.rank == 0:
+        try:
+            export_hf(cfg.checkpoint_dir, cfg.export_hf, model_dir=trainer.ctx.model_dir)
+        except (ckpt.CheckpointError, OSError, ValueError) as exc:
+            result = ckpt.CheckpointError(f"checkpointing.export_hf={cfg.export_hf}: {exc}")
+    result = comm.broadcast_object(result)
+    if result is not None:
+        raise result
+    logger.info("exported the last checkpoint to %s", cfg.export_hf)
 
 
 def find_resume_dir(trainer) -> Optional[str]:
@@ -92,17 +307,19 @@ def load_checkpoint(trainer, path: str) -> None:
     ctx = trainer.ctx
     opt = ctx.optimizer
     state = read_trainer_state(path)
-    load_hf_weights(ctx.model, path, ctx.shape, filename=ckpt.MODEL_FILE, target=lambda n, p: opt.master_of(p))
-    opt.sync_params_from_master()
-    opt.init_state(state["adam_step"])
-    if state["adam_step"] > 0:
-        for filename, key in ((ckpt.EXP_AVG_FILE, "exp_avg"), (ckpt.EXP_AVG_SQ_FILE, "exp_avg_sq")):
-            load_hf_weights(ctx.model, path, ctx.shape, filename=filename,
-                            target=lambda n, p, key=key: opt.adam.state[opt.master_of(p)][key])
-    else:
-        opt.adam.state.clear()
-    if opt.scaler and state["scaler"]:
-        opt.scaler.load_state_dict(state["scaler"])
+    if state.get("format") != FORMAT:
+        raise ckpt.CheckpointError(f"{os.path.join(path, ckpt.STATE_FILE)}: checkpoint format "
+                                   f"{state.get('format', 1)} (HF safetensors) is no longer read; this version "
+                                   f"reads format {FORMAT} (dist_checkpointing)")
+    try:
+        load_sharded(ctx.model, opt, path, state["optimizer_step"], state["optimizer_state"], state["main_params"])
+    except BaseException as exc:  # noqa: BLE001 - CheckpointingException / CheckpointException (BaseException)
+        if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+            raise
+        raise ckpt.CheckpointError(f"checkpoint {path}: cannot load the model/optimizer shards at this layout: "
+                                   f"{type(exc).__name__}: {str(exc)[:500]}") from exc
+    opt.scheduler.load_state_dict(state["scheduler"])
+    _load_scalers(opt, state["scalers"])
     trainer.step, trainer.version = state["step"], state["version"]
     trainer.gate.dropped, trainer.consecutive_skips = state["dropped_stale"], state["consecutive_skips"]
     ctx.sampler.position = state["data_position"]
@@ -110,6 +327,16 @@ def load_checkpoint(trainer, path: str) -> None:
     rngs = state["rng"]
     ckpt.set_rng_state(rngs[ctx.rank] if ctx.rank < len(rngs) else rngs[0])
     logger.info("resumed from %s (step %d, policy version %d)", path, trainer.step, trainer.version)
+
+
+def _load_scalers(opt, states: list) -> None:
+    """fp16 loss scalers, one per underlying optimizer (the first saved one where counts differ)."""
+    opts = sharded_state.chained(opt.megatron)
+    saved = [s for s in states if s is not None]
+    for i, o in enumerate(opts):
+        if getattr(o, "grad_scaler", None) is None or not saved:
+            continue
+        o.grad_scaler.load_state_dict(states[i] if len(states) == len(opts) and states[i] else saved[0])
 
 
 def _parity_state(trainer) -> Optional[dict]:

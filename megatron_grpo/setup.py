@@ -70,13 +70,13 @@ def build_context(cfg: Config) -> TrainContext:
     from megatron_grpo.data import PromptSampler, load_prompts, load_tokenizer
     from megatron_grpo.models import build_from_hf, load_hf_config, shape_from_hf
     from megatron_grpo.models.spec import configure_fp32_matmul, resolve_backend
-    from megatron_grpo.optim import Optimizer
+    from megatron_grpo.optim import Optimizer, wrap_model
     from megatron_grpo.parallel import state
     from megatron_grpo.parallel.state import validate_layout
     from megatron_grpo.rewards import get_reward_fn
     from megatron_grpo.rollout.parity import ProbeBatch
     from megatron_grpo.step import TrainStep
-    from megatron_grpo.train import layout_of, resolve_model_dir
+    from megatron_grpo.train import layout_of
 
     configure_fp32_matmul(to_dtype(cfg.policy.precision.compute_dtype))  # before CUDA/cuBLAS initialise
     state.init_distributed()
@@ -89,9 +89,9 @@ def build_context(cfg: Config) -> TrainContext:
                     num_query_groups=shape.num_kv_heads)
     _check_batch(cfg, layout)
     check_moe_options(cfg, shape, runtime=True)
-    if layout.pp > 1 or layout.cp > 1:
-        raise ValueError("policy.megatron_cfg: pipeline/context parallel training is validated by --dry-run only; "
-                         "the CPU runtime trains with pipeline_model_parallel_size=1 and context_parallel_size=1")
+    if layout.cp > 1:
+        raise ValueError("policy.megatron_cfg.context_parallel_size > 1 is validated by --dry-run only; "
+                         "training runs with context_parallel_size=1")
     state.initialize_model_parallel(layout, seed=cfg.grpo.seed)
     reward_fn = get_reward_fn(cfg.reward.name)
     p, m = cfg.policy.precision, cfg.policy.megatron_cfg
@@ -103,7 +103,8 @@ def build_context(cfg: Config) -> TrainContext:
     if cfg.loss_fn.reference_policy_kl_penalty > 0:
         ref_model, _ = build_from_hf(model_dir, params_dtype=to_dtype(p.params_dtype), backend=backend)
         ref_model.requires_grad_(False)
-    optimizer = Optimizer(model, cfg.policy.optimizer, p)
+    model = wrap_model(model, cfg)
+    optimizer = Optimizer(model, cfg)
     tp_group, dp_group = ps.get_tensor_model_parallel_group(), ps.get_data_parallel_group()
     stepper = TrainStep(model, optimizer, cfg, tp_group, dp_group, ref_model)
     tokenizer = load_tokenizer(model_dir)
@@ -111,7 +112,10 @@ def build_context(cfg: Config) -> TrainContext:
     prompts = load_prompts(cfg.data.prompts_file, model_dir, cfg.data.num_synthetic_prompts, shape.vocab_size,
                            cfg.grpo.seed, max_model_len=cfg.generation.max_model_len)
     rank = dist.get_rank()
-    engine = _build_engine(cfg, model_dir, shape) if rank == 0 else None
+    if cfg.generation.backend == "megatron":  # the trainer's own model: an engine on every rank
+        engine = _build_megatron_engine(cfg, model_dir, model, pad_id=eos_id)
+    else:
+        engine = _build_engine(cfg, model_dir, shape) if rank == 0 else None
     return TrainContext(
         model=model, shape=shape, model_dir=model_dir, optimizer=optimizer, stepper=stepper, engine=engine,
         sampler=PromptSampler(prompts, cfg.grpo.seed), reward_fn=reward_fn,
@@ -136,6 +140,11 @@ def _check_batch(cfg: Config, layout) -> None:
     if rows % layout.dp:
         raise ValueError(f"grpo.num_prompts_per_step x grpo.num_generations_per_prompt = {rows} sequences do not "
                          f"split over data-parallel size {layout.dp}")
+    mbs = cfg.policy.train_micro_batch_size
+    if layout.pp > 1 and (rows // layout.dp) % mbs:
+        raise ValueError(f"policy.train_micro_batch_size={mbs} must divide the {rows // layout.dp} sequences per "
+                         f"data-parallel rank with pipeline_model_parallel_size={layout.pp} (the pipeline's "
+                         f"activation buffers have one shape)")
 
 
 def check_moe_options(cfg: Config, shape, runtime: bool = False) -> None:
@@ -169,17 +178,65 @@ def _eos_id(model_dir: str, tokenizer) -> int:
 
 
 def _build_engine(cfg: Config, model_dir: str, shape):
+    """The generator (rank 0): ``generation.num_engines`` engines of ``generation.backend``, started
+    concurrently, in one ``EnginePool``. Placement: ``rollout.pool.engine_placement`` (GPUs) and
+    ``cpu_bindings`` (CPU: the cores split over the engines' TP workers)."""
     from megatron_grpo.rollout import ROLLOUT_ENGINES
+    from megatron_grpo.rollout.pool import EnginePool, available_cpus, cpu_bindings, engine_placement
 
     g, p = cfg.generation, cfg.policy.precision
     engine_cls = ROLLOUT_ENGINES.get(g.backend)
-    extra = dict(url=g.server_url, retry_timeout_s=g.retry_timeout_s,  # the server's log lives with the run's
-                 log_path=os.path.join(cfg.logger.log_dir, "vllm-server.log")) if g.backend == "vllm_server" else {}
-    if cfg.policy.megatron_cfg.moe_routing_replay == "R3":
-        extra["return_routed_experts"] = True
-    return engine_cls(model_dir, to_dtype(p.generation_dtype), max_model_len=g.max_model_len, seed=cfg.grpo.seed,
-                      gpu_memory_utilization=g.gpu_memory_utilization, kv_cache_gib=g.kv_cache_gib,
-                      is_moe=shape.is_moe, **extra)
+    cuda = torch.cuda.is_available()
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    slots = engine_placement(g, world, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+    binds = [None] * g.num_engines if cuda else cpu_bindings(g.num_engines, g.tensor_parallel_size, available_cpus())
+    sleep = bool(g.colocated and cuda and g.max_staleness == 0)
+    if g.colocated and cuda and g.max_staleness > 0:
+        logger.warning("generation.colocated with generation.max_staleness > 0: the engines generate ahead while the "
+                       "trainer trains, so they cannot sleep during the trainer step; they keep their memory")
+
+    def build(i: int):
+        extra = {}
+        if g.backend == "vllm_server":  # the server's log lives with the run's
+            log = "vllm-server.log" if g.num_engines == 1 else f"vllm-server-{i}.log"
+            extra.update(url=slots[i].url, retry_timeout_s=g.retry_timeout_s,
+                         log_path=os.path.join(cfg.logger.log_dir, log))
+        if cfg.policy.megatron_cfg.moe_routing_replay == "R3":
+            extra["return_routed_experts"] = True
+        if g.tensor_parallel_size > 1:
+            extra["tensor_parallel_size"] = g.tensor_parallel_size
+        if binds[i]:
+            extra["cpu_bind"] = binds[i]
+        if cuda and slots[i].devices is not None:
+            extra["devices"] = _visible_devices(slots[i].devices)
+        if sleep:
+            extra["sleep_mode"] = True
+        return engine_cls(model_dir, to_dtype(p.generation_dtype), max_model_len=g.max_model_len, seed=cfg.grpo.seed,
+                          gpu_memory_utilization=g.gpu_memory_utilization, kv_cache_gib=g.kv_cache_gib,
+                          is_moe=shape.is_moe, **extra)
+
+    return EnginePool(build, g.num_engines, sleep_between_steps=sleep)
+
+
+def _build_megatron_engine(cfg: Config, model_dir: str, model, pad_id: int):
+    """``generation.backend: megatron``: this rank's share of a generator that is the trainer's own
+    model (built on every rank: its forwards are collective over TP/EP; no pool, no weight push)."""
+    from megatron_grpo.rollout import ROLLOUT_ENGINES
+
+    g, p = cfg.generation, cfg.policy.precision
+    return ROLLOUT_ENGINES.get("megatron")(
+        model_dir, to_dtype(p.generation_dtype), model=model, params_dtype=to_dtype(p.params_dtype),
+        max_model_len=g.max_model_len, seed=cfg.grpo.seed, micro_batch_size=cfg.policy.train_micro_batch_size,
+        pad_id=pad_id)
+
+
+def _visible_devices(devices: List[int]) -> List[int]:
+    """Local device indices -> what the engine's CUDA_VISIBLE_DEVICES must say (through the job's own)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if not visible:
+        return list(devices)
+    ids = [d.strip() for d in visible.split(",") if d.strip()]
+    return [ids[d % len(ids)] for d in devices]
 
 
 def build_logger(cfg: Config, ctx: TrainContext, start_step: int = 0, resumed: bool = False):

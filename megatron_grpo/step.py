@@ -18,7 +18,8 @@ import torch
 
 from megatron_grpo import faults
 from megatron_grpo.config import Config, to_dtype
-from megatron_grpo.forward import PackedBatch, forward_log_probs, log_probs_from_logits, pack, precision_context
+from megatron_grpo.forward import (PackedBatch, forward_log_probs, log_probs_from_logits, pack, pipeline_dtype,
+                                   precision_context)
 from megatron_grpo.loss import StatSet, policy_loss_stats
 from megatron_grpo.loss.stats import masked_sum
 from megatron_grpo.parallel import comm
@@ -144,7 +145,7 @@ class TrainStep:
         else:
             every = self.cfg.grpo.grad_cos_clean_every
             cos = self.cos_clean(batch) if every and step % every == 0 else None
-            extra = self.optimizer.step(reduced=cos is not None)
+            extra = self.optimizer.step()
             if cos is not None:
                 extra["grad/cos_clean"] = cos
         extra["train/loss_scale"] = torch.tensor(self.optimizer.loss_scale(), device=device)
@@ -156,30 +157,26 @@ class TrainStep:
         return stats, extra
 
     def cos_clean(self, batch: StepBatch) -> torch.Tensor:
-        """Cosine between the (reduced) actual gradient and the clean REINFORCE gradient
-        -(A * logp * mask).sum() / num_tokens (same routing replay); leaves the actual gradient in place."""
-        from megatron_grpo.models import forward_logits
+        """Cosine between the actual (reduced) gradient and the clean REINFORCE gradient
+        -(A * logp * mask).sum() / num_tokens (same routing replay), run through the same schedule
+        and reduction; leaves the actual gradient in DDP's buffers."""
         from megatron_grpo.parallel import grads as grad_utils
 
-        self.optimizer.reduce_gradients()
         params = self.optimizer.params
-        actual = [p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in params]
-        for p in params:
-            p.grad = None
-        mbs = self.cfg.policy.train_micro_batch_size
-        scale = self.optimizer.loss_scale()
-        for i in range(0, batch.packed.input_ids.shape[0], mbs):
-            mb, sl = batch.packed.rows(slice(i, i + mbs)), slice(i, i + mbs)
-            routes = None if self.replay_routes is None else self.replay_routes[sl]
-            with precision_context(self.compute_dtype, self.params_dtype), self._routes(False, routes):
-                logits = forward_logits(self.model, mb.input_ids)
-            lp = log_probs_from_logits(logits, mb.labels, self.cfg.generation.temperature, self.tp_group)
-            loss = -(batch.advantages[sl].unsqueeze(-1) * lp * mb.mask).sum() / batch.num_global_tokens
-            (loss.float() * scale).backward()
-        self.optimizer.reduce_gradients()
+        actual = [p.main_grad.clone() for p in params]
+        self.optimizer.zero_grad()
+
+        def clean_loss(sl, logits):
+            lp = log_probs_from_logits(logits, batch.packed.labels[sl], self.cfg.generation.temperature,
+                                       self.tp_group, self.cfg.policy.logprob_chunk_size)
+            mask = batch.packed.mask[sl]
+            adv = batch.advantages[sl].unsqueeze(-1).to(lp.dtype)
+            return -(adv * lp * mask).sum() / batch.num_global_tokens.to(lp.dtype), mask.sum(), {}
+
+        self._schedule(batch, clean_loss, self.replay_routes)
         cos = grad_utils.gradient_cosine(params, actual)
         for p, g in zip(params, actual):
-            p.grad = g
+            p.main_grad.copy_(g)
         return cos
 
     def weight_center(self, batch: StepBatch, shadow) -> Optional[torch.Tensor]:
@@ -240,15 +237,10 @@ class TrainStep:
         routing_stats(stats, used, natural, reference, beta, batch.packed.mask)
 
     def forward_backward(self, batch: StepBatch, shadow, ref, replay=None, center=None) -> Tuple[StatSet, torch.Tensor]:
-        """Megatron's schedule over micro-batches (MoE: replaying ``replay`` routing when given);
-        returns merged stats and the trainer's log-probs."""
-        from megatron.core.pipeline_parallel import get_forward_backward_func
-
+        """The policy loss through Megatron's schedule over micro-batches (MoE: replaying ``replay``
+        routing when given); returns merged stats and the trainer's log-probs."""
         mbs = self.cfg.policy.train_micro_batch_size
-        rows = batch.packed.input_ids.shape[0]
-        slices = [slice(i, min(i + mbs, rows)) for i in range(0, rows, mbs)]
         stats, log_probs = StatSet(), []
-        self._set_grad_scale()
 
         def loss_func(sl, logits):
             lp = log_probs_from_logits(logits, batch.packed.labels[sl], self.cfg.generation.temperature,
@@ -265,23 +257,37 @@ class TrainStep:
             log_probs.append(lp.detach())
             return loss, mask.sum(), {}
 
+        self._schedule(batch, loss_func, replay, record_routes=True)
+        # pipeline parallelism: the loss ran on the last stage; every stage gets its stats and log-probs
+        stats = comm.object_from_last_stage(stats)
+        lp = torch.cat(log_probs, dim=0) if log_probs else None
+        return stats, comm.tensor_from_last_stage(lp, batch.packed.labels.shape, torch.float32,
+                                                  batch.packed.labels.device)
+
+    def _schedule(self, batch: StepBatch, loss_func, replay, record_routes: bool = False) -> None:
+        """One forward-backward of ``loss_func(rows, logits)`` over the batch's micro-batches in
+        Megatron's schedule; gradients land reduced in DDP's buffers (``finalize_model_grads``)."""
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        from megatron_grpo.models import forward_logits
+
+        mbs = self.cfg.policy.train_micro_batch_size
+        rows, seq_len = batch.packed.input_ids.shape
+        slices = [slice(i, min(i + mbs, rows)) for i in range(0, rows, mbs)]
+
         def forward_step(data_iterator, model):
             sl = next(data_iterator)
             with precision_context(self.compute_dtype, self.params_dtype):
-                from megatron_grpo.models import forward_logits
-
                 logits = forward_logits(model, batch.packed.input_ids[sl])
             return logits, functools.partial(loss_func, sl)
 
-        seq_len = batch.packed.input_ids.shape[1]
         self._scale_moe_aux_losses(rows * seq_len * comm.group_size(self.dp_group))
-        with self._routes(shadow=False, targets=replay):
+        with self._routes(shadow=False, targets=replay), pipeline_dtype(self.model, self.compute_dtype, self.params_dtype):
             get_forward_backward_func()(
                 forward_step_func=forward_step, data_iterator=iter(slices), model=self.model,
                 num_microbatches=len(slices), seq_length=seq_len, micro_batch_size=mbs, forward_only=False)
-            if self.routing is not None:
+            if record_routes and self.routing is not None:
                 self.train_routes = (self.routing.take(seq_len, "used"), self.routing.take(seq_len, "natural"))
-        return stats, torch.cat(log_probs, dim=0)
 
     def _scale_moe_aux_losses(self, num_routed_tokens: int) -> None:
         """MoE aux/z losses as a mean over the step's routed tokens. Under
@@ -306,15 +312,6 @@ class TrainStep:
             return lp
         self.nonfinite.append(f"log_probs of {what}: {bad} non-finite values at valid tokens")
         return torch.where(finite, lp, fallback)
-
-    def _set_grad_scale(self) -> None:
-        from megatron_grpo.models import unwrap
-
-        scale = self.optimizer.loss_scale()
-        fn = None if scale == 1.0 else (lambda loss: loss * scale)
-        for module in (self.model, unwrap(self.model)):
-            if hasattr(module, "config"):
-                module.config.grad_scale_func = fn
 
 
 def make_routing(model, cfg: Config):

@@ -107,6 +107,7 @@ class GRPOTrainer:
                 self.save()  # the final step, or the step a signal stopped at (every rank agreed)
             # preempted: the agreed stop came before the last step (a later, local signal changes nothing)
             stopped = "signal" if self._stop_requested and self.step < self.cfg.grpo.max_num_steps else None
+            self.finish_checkpoints(export=stopped is None)
         finally:
             self.close()
             self.finish(stopped)
@@ -143,6 +144,15 @@ class GRPOTrainer:
         from megatron_grpo.resume import save_checkpoint
 
         return save_checkpoint(self)
+
+    def finish_checkpoints(self, export: bool) -> None:
+        """Waits for an asynchronous checkpoint to be finalized; then, on a finished run with
+        ``checkpointing.export_hf``, exports the last checkpoint as a Hugging Face model."""
+        from megatron_grpo.resume import export_last, finish_pending_save
+
+        finish_pending_save()
+        if export and self.cfg.checkpointing.export_hf:
+            export_last(self)
 
     def _install_signal_handlers(self) -> None:
         import signal
@@ -181,6 +191,8 @@ class GRPOTrainer:
 
         started = time.perf_counter()
         rollouts = self.next_rollouts()
+        if self.ctx.engine is not None:
+            self.ctx.engine.sleep()  # colocated on GPU: the engines free the device for the trainer step
         t_gen = time.perf_counter() - started
         rewards = self.score(rollouts)
         t_reward = time.perf_counter() - started - t_gen
@@ -201,7 +213,7 @@ class GRPOTrainer:
         metrics.update(rollout_metrics(rollouts, rewards, device))
         metrics.update(sync)
         host = {"rollout/dropped_stale": float(self.gate.dropped), "time/generate_s": t_gen,
-                "rollout/policy_version_lag": float(self.version - 1 - rollouts.items[0].policy_version),
+                "rollout/policy_version_lag": float(self.version - 1 - min(r.policy_version for r in rollouts)),
                 "time/step_s": time.perf_counter() - started, "timing/generate_s": t_gen,
                 "timing/reward_s": t_reward, "timing/train_s": t_train, **self._timing}
         metrics.update({k: torch.tensor(v, device=device) for k, v in host.items()})
@@ -239,26 +251,27 @@ class GRPOTrainer:
             if self.ctx.engine is not None:
                 try:
                     result = ("ok", self._collect_fresh())
-                    self._submit_ahead()
                 except GeneratorError as exc:
                     result = ("failed", str(exc))
+                else:
+                    try:
+                        self._submit_ahead()
+                    except GeneratorError as exc:  # keep this step's rollouts; the next step restarts the engine
+                        logger.warning("submitting ahead failed (%s); regenerating at the next step",
+                                       str(exc).splitlines()[0])
+                        self._pending.clear()  # their prompts and seeds stay planned
             status, value = comm.broadcast_object(result, src=0)
             if status == "ok":
                 return value
             self._recover_generator(attempt, "generation", value)
 
     def restart_generator(self, push: bool = True) -> None:
-        """Rebuilds the engine on rank 0 and (unless the caller pushes itself) re-pushes the current
-        weights (collective)."""
-        from megatron_grpo.setup import _build_engine
-
+        """Rebuilds the dead or failed engines of the pool on rank 0 (the others keep their state) and
+        (unless the caller pushes itself) pushes the current weights to them (collective)."""
         self._pending.clear()
-        if self.ctx.engine is not None:
-            try:
-                self.ctx.engine.close()
-            except Exception:  # noqa: BLE001 - it is already broken
-                pass
-            self.ctx.engine = _build_engine(self.cfg, self.ctx.model_dir, self.ctx.shape)
+        restart = getattr(self.ctx.engine, "restart_failed", None)  # the megatron backend has no process
+        if restart is not None:
+            restart()
         if push:
             self.push_weights(probe=False)
 
@@ -269,7 +282,8 @@ class GRPOTrainer:
         while True:
             handle = self._pending.popleft() if self._pending else self._submit(self.step)
             rollouts = self.ctx.engine.collect(handle)
-            if self.gate.accept(rollouts.items[0].policy_version, self.version, len(rollouts)):
+            oldest = min(r.policy_version for r in rollouts)  # engines of a pool may differ after a restart
+            if self.gate.accept(oldest, self.version, len(rollouts)):
                 self._planned = {k: v for k, v in self._planned.items() if k > self.step}
                 return rollouts
 
@@ -314,16 +328,15 @@ class GRPOTrainer:
         from megatron_grpo import faults
         from megatron_grpo.parallel import comm
         from megatron_grpo.rollout.vllm_engine import GeneratorError
-        from megatron_grpo.rollout.weight_sync import push_weights
 
         started = time.perf_counter()
+        if self.ctx.engine is not None:
+            self.ctx.engine.wake_up()  # colocated on GPU: back from the trainer step's sleep
         for attempt in range(self.cfg.generation.max_restarts + 1):
             faults.maybe_kill_generator(self.step + 1, self.ctx.engine, "push")
             failure = None
             try:
-                report = push_weights(self.ctx.model, self.ctx.shape, self.ctx.engine, self.version,
-                                      dtype=to_dtype(self.cfg.policy.precision.generation_dtype),
-                                      bucket_mb=self.cfg.generation.weight_push_bucket_mb)
+                report = self._push_once()
             except GeneratorError as exc:  # only rank 0 holds the engine
                 failure = str(exc)
             failure = comm.broadcast_object(failure, src=0)
@@ -338,6 +351,18 @@ class GRPOTrainer:
             out.update(self.check_parity())
             self._timing["timing/parity_s"] = time.perf_counter() - started
         return out
+
+    def _push_once(self):
+        """One push of the current weights (collective: every rank gathers). An engine that shares
+        the trainer's weights (``megatron``, on every rank) only records the version: nothing moves."""
+        from megatron_grpo.rollout.weight_sync import PushReport, push_weights
+
+        if getattr(self.ctx.engine, "shares_trainer_weights", False):
+            self.ctx.engine.update_weights((), self.version)
+            return PushReport(version=self.version)
+        return push_weights(self.ctx.model, self.ctx.shape, self.ctx.engine, self.version,
+                            dtype=to_dtype(self.cfg.policy.precision.generation_dtype),
+                            bucket_mb=self.cfg.generation.weight_push_bucket_mb)
 
     def _recover_generator(self, attempt: int, during: str, error: str, push: bool = True) -> None:
         """After a generator crash (every rank agrees): restart it, or stop after too many tries."""
@@ -432,14 +457,20 @@ def describe_layout(cfg: Config, world_size: int) -> Dict:
                     num_experts=shape.num_experts if shape else None,
                     num_query_groups=shape.num_kv_heads if shape else None)
     plan = None
+    from megatron_grpo.rollout.pool import check_engine_shape, engine_placement, format_placement
+
     if shape is not None:
         from megatron_grpo.setup import check_moe_options
 
         check_moe_options(cfg, shape)
+        check_engine_shape(cfg.generation, shape)
         plan = check_memory(cfg, shape, world_size)
+    engines = [dict(engine=s.index, driver_rank=0, ranks=s.ranks, devices=s.devices, url=s.url)
+               for s in engine_placement(cfg.generation, world_size)]
     return {"config": to_dict(cfg), "layout": {"world_size": layout.world_size, "tp": layout.tp, "pp": layout.pp,
                                                "cp": layout.cp, "ep": layout.ep, "etp": layout.etp, "dp": layout.dp},
-            "memory": plan.to_dict() if plan else None, "memory_table": format_plan(plan) if plan else None}
+            "memory": plan.to_dict() if plan else None, "memory_table": format_plan(plan) if plan else None,
+            "engines": engines, "engines_table": format_placement(cfg.generation, world_size)}
 
 
 def _local_shape(cfg: Config):
@@ -458,10 +489,11 @@ def check_memory(cfg: Config, shape, world_size: int):
 
 def _print_dry_run(described: Dict, as_json: bool) -> None:
     if as_json:
-        print(json.dumps({k: v for k, v in described.items() if k != "memory_table"}, indent=2))
+        print(json.dumps({k: v for k, v in described.items() if not k.endswith("_table")}, indent=2))
         return
     layout = ", ".join(f"{k}={v}" for k, v in described["layout"].items())
     print(f"layout: {layout}")
+    print(described["engines_table"])
     print(described["memory_table"] or "memory plan: none (policy.model_name is not a local HF checkpoint dir)")
 
 

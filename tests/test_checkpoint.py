@@ -29,29 +29,15 @@ def test_sigkill_between_steps_then_resume_reproduces_metrics_exactly(tmp_path, 
     finally:
         del os.environ["MEGATRON_GRPO_FAULT_KILL_AFTER_STEP"]
     assert code == -9 and [r["step"] for r in killed] == [1, 2, 3]
-    code, out, resumed = run_cli(run_b + ["checkpointing.resume=true"], str(tmp_path / "b"))
+    code, out, resumed = run_cli(run_b + ["checkpointing.resume=true", f"checkpointing.export_hf={tmp_path / 'hf'}"],
+                                 str(tmp_path / "b"))
     assert code == 0, out[-3000:]
     assert [r["step"] for r in resumed] == [1, 2, 3, 4, 5, 6]  # each step once
+    assert os.path.isfile(tmp_path / "hf" / "model.safetensors.index.json")  # the end-of-run export
     for a, b in zip(straight, resumed):
         assert _stable(a) == _stable(b), a["step"]
     for step in ckpt.list_checkpoints(str(tmp_path / "ck-b")):
         ckpt.verify(ckpt.step_dir(str(tmp_path / "ck-b"), step))
-
-
-@pytest.mark.parametrize("save_tp, resume_tp", [(2, 1), (1, 2)])
-def test_resume_at_another_tensor_parallel_layout(save_tp, resume_tp, tmp_path, tiny_dense):
-    common = [f"policy.model_name={tiny_dense}", f"checkpointing.checkpoint_dir={tmp_path / 'ck'}"]
-    code, out, ref = run_cli([f"policy.model_name={tiny_dense}", "grpo.max_num_steps=2"], str(tmp_path / "ref"))
-    assert code == 0, out[-3000:]
-    tp = lambda n: [f"policy.megatron_cfg.tensor_model_parallel_size={n}"]  # noqa: E731
-    code, out, _ = run_cli(common + ["grpo.max_num_steps=1"] + tp(save_tp), str(tmp_path / "run"), nproc=save_tp)
-    assert code == 0, out[-3000:]
-    code, out, rows = run_cli(common + ["grpo.max_num_steps=2", "checkpointing.resume=true"] + tp(resume_tp),
-                              str(tmp_path / "run"), nproc=resume_tp)
-    assert code == 0, out[-3000:]
-    assert [r["step"] for r in rows] == [1, 2]
-    for name in ("loss/policy", "reward/mean", "train/grad_norm", "policy/kl_rollout"):
-        assert rows[1][name] == pytest.approx(ref[1][name], abs=1e-5, rel=1e-4), name
 
 
 def _fake_checkpoint(root, step):
@@ -168,39 +154,6 @@ def test_full_disk_while_finalizing_names_the_file_and_removes_the_partial_files
     assert ckpt.resolve_for_load(root, fallback_to_previous=False) == ckpt.step_dir(root, 2)  # latest unchanged
 
 
-def _stub_trainer(root):
-    from types import SimpleNamespace as NS
-
-    import torch
-
-    opt = NS(master_of=lambda p: p, moment=lambda p, key: p * 0, adam_step=lambda: 1, scaler=None)
-    ctx = NS(rank=0, optimizer=opt, model=NS(weight=torch.ones(3)), shape=None, sampler=NS(position=5))
-    return NS(ctx=ctx, cfg=NS(checkpointing=NS(checkpoint_dir=root, keep_last_n=3)), step=3, version=3,
-              gate=NS(dropped=0), consecutive_skips=0, probe=None)
-
-
-def test_full_disk_during_save_names_the_file_and_removes_the_temp_folder(tmp_path, monkeypatch, megatron_single):
-    import safetensors.torch
-
-    from megatron_grpo import resume
-
-    root = _two_checkpoints(tmp_path)
-    trainer = _stub_trainer(root)
-    monkeypatch.setattr(resume, "export_hf_tensors",
-                        lambda model, shape, include_tied_lm_head, source: [("w", source("w", model.weight))])
-    real = safetensors.torch.save_file
-    monkeypatch.setattr(safetensors.torch, "save_file", _disk_full(real, 100, lambda p: p.endswith(ckpt.EXP_AVG_FILE)))
-    with pytest.raises(ckpt.CheckpointError, match="disk is full") as err:
-        resume.save_checkpoint(trainer)
-    tmp = os.path.join(root, ".step_0000003.tmp")
-    assert os.path.join(tmp, ckpt.EXP_AVG_FILE) in str(err.value) and not os.path.exists(tmp)
-    assert ckpt.list_checkpoints(root) == [1, 2] and ckpt.latest_step(root) == 2
-    monkeypatch.setattr(safetensors.torch, "save_file", real)
-    assert resume.save_checkpoint(trainer) == ckpt.step_dir(root, 3)  # the next save (space freed) works
-    ckpt.verify(ckpt.step_dir(root, 3))
-    assert resume.read_trainer_state(ckpt.step_dir(root, 3))["data_position"] == 5
-
-
 def test_server_killed_mid_run_recovers_without_corrupting_checkpoints(tmp_path, tiny_dense):
     os.environ["MEGATRON_GRPO_FAULT_KILL_GENERATOR_STEP"] = "2"
     try:
@@ -260,76 +213,214 @@ def test_nan_log_probs_skip_the_step_and_repeated_nans_stop_the_run(tmp_path, ti
     assert code != 0 and "step 2: log_probs of micro-batch 0" in out
 
 
-# ---- expert-parallel checkpoints: the same files from EP=1 and EP=2, loadable at either ---------------
+# ---- dist_checkpointing: resume at another layout, full disks on one rank, HF export ----------------
+
+LAYOUTS = {  # name: (model, world layout, overrides)
+    "tp2": ("dense", dict(tp=2), []),
+    "dp2-distopt": ("dense", dict(), ["policy.megatron_cfg.optimizer.use_distributed_optimizer=true"]),
+    "ep2": ("moe", dict(ep=2), []),
+    "pp2": ("dense", dict(pp=2), []),
+}
 
 
-def _fake_trainer(st, shape, checkpoint_dir):
+def _advantages(step):
+    import torch
+
+    return torch.linspace(-1.0, 1.0, 8) * (1.0 if step % 2 else -0.5)
+
+
+def _build(model_dir, layout, overrides):
+    """A stepper at ``layout`` (collective groups set) and this rank's slice of the step's rows."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from megatron_grpo.parallel import state
+    from tests.test_routing import ROWS, _stepper
+
+    state.init_distributed()
+    state.initialize_model_parallel(state.Layout(world_size=dist.get_world_size(), **layout))
+    st = _stepper(model_dir, *overrides)
+    st.tp_group, st.dp_group = ps.get_tensor_model_parallel_group(), ps.get_data_parallel_group()
+    dp, rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    return st, slice(rank * ROWS // dp, (rank + 1) * ROWS // dp)
+
+
+def _trainer(st, model_dir, root, step, async_save=False):
     from types import SimpleNamespace as NS
 
     import torch.distributed as dist
 
-    ctx = NS(rank=dist.get_rank(), optimizer=st.optimizer, model=st.model, shape=shape, sampler=NS(position=0))
-    return NS(ctx=ctx, cfg=NS(checkpointing=NS(checkpoint_dir=checkpoint_dir, keep_last_n=2)), step=1, version=1,
-              gate=NS(dropped=0), consecutive_skips=0, probe=None)
+    ctx = NS(rank=dist.get_rank(), optimizer=st.optimizer, model=st.model, sampler=NS(position=10 * step),
+             model_dir=model_dir)
+    return NS(ctx=ctx, cfg=NS(checkpointing=NS(checkpoint_dir=root, keep_last_n=3, async_save=async_save)),
+              step=step, version=step, gate=NS(dropped=step), consecutive_skips=0, probe=None)
 
 
-def _ep_checkpoint_worker(model_dir, ep, save_dir=None, load_from=None):
-    """EP=ep, DP=ep: one optimizer step on this rank's rows then a save, or a load of ``load_from``
-    then a save; returns nothing (the files are the result)."""
+def _train_step(st, rows, step):
+    """Step ``step`` (1-based) on this rank's rows: its metrics, then the no-grad log-probs of
+    every row after the update (they show the optimizer state's effect: moments and step)."""
     import torch
-    from megatron.core import parallel_state as ps
 
+    from megatron_grpo.forward import pack
+    from tests.test_routing import PROMPT, ROWS, SEQ, _metrics, _sequences, _step_batch
+
+    metrics = _metrics(st, _step_batch(torch.full((ROWS, SEQ), -7.0), _advantages(step), rows=rows))
+    return metrics, st.lowp_log_probs(pack(_sequences(), [PROMPT] * ROWS, 0))
+
+
+def _disk_full_on_rank(rank):
+    """Makes torch_dist's shard writer (run in forked writer processes) fail on ``rank`` as a full disk does."""
+    import errno
+
+    import torch.distributed as dist
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    real = filesystem_async._write_item
+
+    def write_item(*args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    if dist.get_rank() == rank:
+        filesystem_async._write_item = write_item
+    return lambda: setattr(filesystem_async, "_write_item", real)
+
+
+def _save_worker(models, root):
+    """2 ranks, each layout of LAYOUTS: step 1, save (EP=2: asynchronously, finalized after step 2);
+    step 2 (the uninterrupted run); TP=2: a save of step 2 that fails on rank 1 (full disk), then
+    one that works. Returns the step-2 results."""
     from megatron_grpo import resume
-    from megatron_grpo.models.qwen3 import load_hf_config, shape_from_hf
-    from megatron_grpo.parallel import state
-    from tests.test_routing import ROWS, SEQ, _step_batch, _stepper
 
-    state.initialize_model_parallel(state.Layout(world_size=ep, ep=ep))
-    st = _stepper(model_dir)
-    trainer = _fake_trainer(st, shape_from_hf(load_hf_config(model_dir)), save_dir)
-    if load_from:
-        resume.load_checkpoint(trainer, load_from)
-    else:
-        st.tp_group, st.dp_group = ps.get_tensor_model_parallel_group(), ps.get_data_parallel_group()
-        st.current_step, st.nonfinite = 0, []
-        dp, rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
-        old, adv = torch.full((ROWS, SEQ), -7.0), torch.linspace(-1.0, 1.0, ROWS)
-        st.optimizer.zero_grad()
-        st.forward_backward(_step_batch(old, adv, rows=slice(rank * ROWS // dp, (rank + 1) * ROWS // dp)), None, None)
-        st.optimizer.step()
-    resume.save_checkpoint(trainer)
-
-
-def _checkpoint_tensors(root):
-    from safetensors.torch import load_file
-
-    path = ckpt.step_dir(root, 1)
-    ckpt.verify(path)
-    return {f: load_file(os.path.join(path, f)) for f in (ckpt.MODEL_FILE, ckpt.EXP_AVG_FILE, ckpt.EXP_AVG_SQ_FILE)}
+    results = {}
+    for name, (model, layout, overrides) in LAYOUTS.items():
+        st, rows = _build(models[model], layout, overrides)
+        ck = os.path.join(root, name)
+        _train_step(st, rows, 1)
+        async_save = name == "ep2"  # written in the background while step 2 trains
+        assert resume.save_checkpoint(_trainer(st, models[model], ck, 1, async_save)) == ckpt.step_dir(ck, 1)
+        results[name] = _train_step(st, rows, 2)
+        if async_save:
+            assert ckpt.latest_step(ck) is None  # not finalized yet
+            assert resume.finish_pending_save() == ckpt.step_dir(ck, 1)
+        if name == "tp2":
+            restore = _disk_full_on_rank(1)
+            try:
+                with pytest.raises(ckpt.CheckpointError) as err:
+                    resume.save_checkpoint(_trainer(st, models[model], ck, 2))
+            finally:
+                restore()
+            results["disk_full"] = str(err.value)
+            results["after_disk_full"] = sorted(os.listdir(ck)), ckpt.latest_step(ck)
+            resume.save_checkpoint(_trainer(st, models[model], ck, 2))  # space freed: the next save works
+    return results
 
 
-def test_expert_parallel_checkpoint_matches_ep1_and_reloads_at_another_layout(tmp_path, tiny_moe):
+def _resume_worker(models, root):
+    """1 rank, no distributed optimizer: each checkpoint of step 1 loaded, then step 2. Also the
+    trainer's logits right after loading the TP=2 checkpoint (for the HF export)."""
+    import torch
+
+    from megatron_grpo import resume, sharded_state
+    from megatron_grpo.models import forward_logits
+
+    results = {}
+    for name, (model, _, _) in LAYOUTS.items():
+        st, rows = _build(models[model], {}, [])
+        trainer = _trainer(st, models[model], os.path.join(root, name), 0)
+        resume.load_checkpoint(trainer, ckpt.step_dir(os.path.join(root, name), 1))
+        assert (trainer.step, trainer.version, trainer.ctx.sampler.position, trainer.gate.dropped) == (1, 1, 10, 1)
+        steps = [ps.state["step"] for ps in sharded_state.param_states(st.optimizer.megatron)]
+        assert len({id(s) for s in steps}) == len(steps) and all(s.item() == 1.0 for s in steps)  # one per param
+        assert sharded_state.optimizer_step(st.optimizer.megatron) == 1
+        if name == "tp2":
+            ids = torch.randint(0, 1000, (2, 12), generator=torch.Generator().manual_seed(3))
+            with torch.no_grad():
+                results["logits"] = (ids, forward_logits(st.model, ids).float())
+        results[name] = _train_step(st, rows, 2)
+    return results
+
+
+def test_resume_at_another_layout_continues_like_the_uninterrupted_run(tmp_path, tiny_dense, tiny_moe):
+    """Saved at TP=2, at DP=2 with the distributed optimizer, at EP=2 and at PP=2 (2 gloo ranks; the EP=2
+    one asynchronously, while the next step trains), resumed on 1 rank without the distributed
+    optimizer: step 2's metrics and the weights it leaves equal the uninterrupted 2-rank run's. A full disk on rank 1 is a CheckpointError naming the file on
+    both ranks; the partial folder is removed and ``latest`` still names step 1. The TP=2
+    checkpoint exported to HF loads in transformers with the trainer's logits."""
     import torch
 
     from tests._dist import run_distributed
 
-    for ep in (1, 2):
-        run_distributed(_ep_checkpoint_worker, ep, tiny_moe, ep, str(tmp_path / f"ep{ep}"))
-    ep1, ep2 = _checkpoint_tensors(str(tmp_path / "ep1")), _checkpoint_tensors(str(tmp_path / "ep2"))
-    # fp32 reduction-order noise in tiny gradients moves Adam's first, sign-like step (lr 2e-3) by < 1e-5
-    tolerance = {ckpt.MODEL_FILE: dict(rtol=0, atol=1e-5), ckpt.EXP_AVG_FILE: dict(rtol=1e-4, atol=1e-10),
-                 ckpt.EXP_AVG_SQ_FILE: dict(rtol=1e-4, atol=1e-14)}
-    for filename, tensors in ep1.items():
-        assert set(ep2[filename]) == set(tensors)
-        for name, t in tensors.items():
-            torch.testing.assert_close(ep2[filename][name], t, **tolerance[filename],
-                                       msg=lambda m: f"{filename}: {name}: {m}")
-    # the EP=1 checkpoint loaded at EP=2 and saved again: the same bytes' worth of tensors
-    run_distributed(_ep_checkpoint_worker, 2, tiny_moe, 2, str(tmp_path / "again"), ckpt.step_dir(str(tmp_path / "ep1"), 1))
-    again = _checkpoint_tensors(str(tmp_path / "again"))
-    for filename, tensors in ep1.items():
-        for name, t in tensors.items():
-            assert torch.equal(again[filename][name], t), (filename, name)
+    models, root = {"dense": tiny_dense, "moe": tiny_moe}, str(tmp_path / "ck")
+    saved = run_distributed(_save_worker, 2, models, root)
+    assert saved[0]["disk_full"] == saved[1]["disk_full"]
+    assert "disk is full" in saved[0]["disk_full"] and os.path.join(root, "tp2", ".step_0000002.tmp", "__1_")\
+        in saved[0]["disk_full"]
+    assert saved[0]["after_disk_full"] == (["latest", "step_0000001"], 1)
+    resumed = run_distributed(_resume_worker, 1, models, root)[0]
+    for name in LAYOUTS:
+        (straight, lp_straight), (again, lp_again) = saved[0][name], resumed[name]
+        for key in straight:
+            assert again[key] == pytest.approx(straight[key], rel=1e-5, abs=1e-6, nan_ok=True), (name, key)
+        torch.testing.assert_close(lp_again, lp_straight, rtol=0, atol=1e-6, msg=lambda m: f"{name}: {m}")
+    for name in LAYOUTS:
+        for step in ckpt.list_checkpoints(os.path.join(root, name)):
+            ckpt.verify(ckpt.step_dir(os.path.join(root, name), step))
+    _check_hf_export(ckpt.step_dir(os.path.join(root, "tp2"), 1), str(tmp_path / "hf"), *resumed["logits"])
+
+
+def test_a_distributed_optimizer_range_becomes_row_rectangles():
+    """A rank's flat range of a [rows, cols] weight is saved as a partial first row, whole rows and
+    a partial last row, per block of rows (a GLU half), covering the range exactly."""
+    from megatron_grpo.sharded_state import _rectangles
+
+    assert list(_rectangles(3, 17, 0, 4, 5)) == [(0, 1, 3, 2), (1, 2, 0, 5), (3, 1, 0, 2)]
+    assert list(_rectangles(3, 17, 2, 4, 5)) == [(0, 1, 0, 5), (1, 1, 0, 2)]  # rows [2, 4) only
+    assert list(_rectangles(3, 4, 0, 4, 5)) == [(0, 1, 3, 1)] and list(_rectangles(0, 7, 0, 7, 1)) == [(0, 7, 0, 1)]
+
+
+def _live_tensor_bytes():
+    """Bytes of every tensor storage alive in this process (an independent view of the exporter's peak)."""
+    import gc
+
+    import torch
+
+    storages = {}
+    for obj in gc.get_objects():
+        if issubclass(type(obj), torch.Tensor) and obj.device.type == "cpu":
+            storage = obj.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
+
+
+def _check_hf_export(path, out, ids, trainer_logits):
+    """export-hf: sharded safetensors + index + config + tokenizer that transformers loads, with the
+    trainer's logits; tensors held while exporting stay below twice the largest layer (counted by
+    the exporter and, independently, by scanning every live tensor after each parameter and layer)."""
+    import json
+
+    import torch
+    import transformers
+    from safetensors import safe_open
+
+    from megatron_grpo.cli import main
+    from megatron_grpo.export import export_hf
+
+    baseline, seen = _live_tensor_bytes(), []
+    report = export_hf(path, out, progress=lambda unit: seen.append(_live_tensor_bytes() - baseline))
+    with open(os.path.join(out, "model.safetensors.index.json")) as f:
+        weight_map = json.load(f)["weight_map"]
+    assert sorted(set(weight_map.values())) == report.files and len(report.files) == 4 + 2  # embed, 4 layers, head
+    largest = max(os.path.getsize(os.path.join(out, f)) for f in report.files)
+    assert report.largest_unit_bytes <= largest < 1.01 * report.largest_unit_bytes  # fp32: as read = as written
+    assert report.peak_bytes < 2 * report.largest_unit_bytes and max(seen) < 2 * report.largest_unit_bytes
+    assert os.path.isfile(os.path.join(out, "tokenizer.json")) and os.path.isfile(os.path.join(out, "config.json"))
+    model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, trainer_logits, rtol=0, atol=1e-5)
+    assert transformers.AutoTokenizer.from_pretrained(out).eos_token == "<|endoftext|>"
+    assert main(["export-hf", os.path.dirname(path), out + "-bf16", "--dtype", "bfloat16"]) == 0  # latest: step 2
+    with safe_open(os.path.join(out + "-bf16", report.files[1]), "pt") as f:
+        assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.bfloat16}
 
 
 class _Exploit:

@@ -39,7 +39,7 @@ def test_write_up_variants_change_one_thing():
     assert (b.policy.precision.compute_dtype, b.policy.precision.generation_dtype) == ("float32", "bfloat16")
     assert (g.loss_fn.ratio, g.policy.precision.shadow_dtype) == ("shadow", "bfloat16")
     assert a.policy.precision.compute_dtype == a.policy.precision.generation_dtype == "bfloat16"
-    assert b.policy.optimizer.lr == 1e-6 and b.loss_fn.ratio_clip_max == 0.2
+    assert b.policy.megatron_cfg.optimizer.lr == 1e-6 and b.loss_fn.ratio_clip_max == 0.2
     # the write-up's trainer is asynchronous with one step of lag; its no-clip run is eps = 10
     assert a.generation.max_staleness == b.generation.max_staleness == 1
     noclip = load_recipe(os.path.join(ROOT, "recipes", "grpo-qwen3-0.6b-eos-noclip.yaml"))

@@ -1,5 +1,6 @@
-"""parallel/grads.py: reduced gradients and the global grad norm of expert/expert-tensor parallel
-layouts equal one process's, parameter by parameter (gathered to HF names)."""
+"""Megatron DDP + finalize_model_grads: reduced gradients and Megatron's global grad norm of
+expert/expert-tensor parallel layouts equal one process's, parameter by parameter (gathered to HF
+names)."""
 
 import pytest
 import torch
@@ -17,7 +18,7 @@ def _reduced_grads(model_dir, layout):
 
     from megatron_grpo.models.qwen3 import load_hf_config, shape_from_hf
     from megatron_grpo.models.weights import export_hf_tensors
-    from megatron_grpo.parallel import grads, state
+    from megatron_grpo.parallel import state
     from tests.test_routing import _step_batch, _stepper
 
     state.initialize_model_parallel(layout)
@@ -29,11 +30,11 @@ def _reduced_grads(model_dir, layout):
     old, adv = torch.full((ROWS, SEQ), -7.0), torch.linspace(-1.0, 1.0, ROWS)
     st.optimizer.zero_grad()
     st.forward_backward(_step_batch(old, adv, rows=rows), None, None)
-    st.optimizer.reduce_gradients()
-    norm = grads.global_grad_norm(st.optimizer.params)
+    st.optimizer.megatron.prepare_grads()
+    norm = torch.tensor(st.optimizer.megatron.get_grad_norm())
     with torch.no_grad():
         for p in st.optimizer.params:
-            p.copy_(p.grad)
+            p.copy_(p.main_grad)
     shape = shape_from_hf(load_hf_config(st.cfg.policy.model_name))
     out = {k: v.clone() for k, v in export_hf_tensors(st.model, shape, include_tied_lm_head=False)}
     return out, norm, dist.get_world_size()

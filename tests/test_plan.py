@@ -1,4 +1,5 @@
-"""Memory plan: parameter / optimizer bytes against real tiny models, sharding by hand, the fit check, dry run."""
+"""Memory plan: parameter / gradient / optimizer bytes against Megatron's allocation in real tiny runs (replicated,
+and distributed at DP=2), sharding by hand, the fit check, dry run."""
 
 import json
 import os
@@ -6,11 +7,12 @@ import os
 import pytest
 import torch
 
-from megatron_grpo.config import Config, OptimizerConfig, PrecisionConfig, from_dict
+from megatron_grpo.config import Config, from_dict
 from megatron_grpo.models.qwen3 import ModelShape, load_hf_config, shape_from_hf
 from megatron_grpo.plan import (GIB, check_fits, count_params, format_plan, layer_activation_bytes, memory_plan,
-                                optimizer_bytes)
+                                optimizer_bytes, optimizer_state)
 from megatron_grpo.recipe import load_recipe
+from tests._dist import run_distributed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CLUSTER = [("grpo-qwen3-30b-a3b-2x8gpu.yaml", 16), ("grpo-qwen3-235b-a22b-8x8gpu.yaml", 64)]
@@ -46,24 +48,124 @@ def test_tp_ep_pp_sharding_by_hand():
     assert (first.num_dense_local, first.num_expert_local) == (2 * attn + v * h // 2, 2 * experts)
     assert last.num_dense_local == 2 * attn + v * h // 2 + h  # output layer + final norm
     assert count_params(SHAPE, ep=2, etp=2).num_expert_local == 4 * 8 * 3 * h * 32 // 4
-    half = optimizer_bytes(first, "bfloat16", dp=2, expert_dp=4)
-    assert half == 12 * (first.num_dense_local / 2 + first.num_expert_local / 4)
+    per_param, _ = optimizer_state(_cfg_of(**BF16))
+    assert optimizer_bytes(first, per_param, dp=2, expert_dp=4) == 12 * (first.num_dense_local / 2
+                                                                         + first.num_expert_local / 4)
 
 
-@pytest.mark.parametrize("params_dtype", ["float32", "bfloat16"])
-def test_replicated_optimizer_bytes_equal_the_optimizer_allocation(params_dtype, tiny_moe, megatron_single):
-    from megatron_grpo.optim import Optimizer
+BF16 = {"policy.precision.params_dtype": "bfloat16", "policy.precision.compute_dtype": "bfloat16"}
+HALF_GRADS = {"policy.megatron_cfg.distributed_data_parallel_config.grad_reduce_in_fp32": False}
+NO_MASTER = {"policy.precision.master_weights": False}
+SGD = {"policy.megatron_cfg.optimizer.optimizer": "sgd"}
 
-    model, shape = _built(tiny_moe, getattr(torch, params_dtype))
-    opt = Optimizer(model, OptimizerConfig(), PrecisionConfig(params_dtype=params_dtype, compute_dtype=params_dtype))
-    for p in opt.params:
-        p.grad = torch.full_like(p, 1e-3)
-    opt.step()
-    state = [t for st in opt.adam.state.values() for t in st.values() if torch.is_tensor(t)]
-    masters = opt.master if opt.half else []
-    allocated = sum(t.numel() * t.element_size() for t in state + masters)
-    planned = optimizer_bytes(count_params(shape), params_dtype)
-    assert abs(planned - allocated) <= 0.02 * allocated, (planned, allocated)
+
+def _cfg_of(**flat):
+    """A ``Config`` from dotted keys."""
+    nested = {}
+    for key, value in flat.items():
+        *path, last = key.split(".")
+        node = nested
+        for name in path:
+            node = node.setdefault(name, {})
+        node[last] = value
+    return from_dict(Config, nested)
+
+
+@pytest.mark.parametrize("flat, fused, per_param", [
+    ({}, None, 8),  # fp32 params are their own main params: 2 fp32 moments
+    (BF16, None, 12),  # fp32 main params + 2 fp32 moments
+    ({"policy.precision.params_dtype": "float16", "policy.precision.compute_dtype": "float16"}, None, 12),
+    ({**BF16, **HALF_GRADS}, None, 16),  # + the optimizer's fp32 copy of the bf16 gradient
+    ({**BF16, **NO_MASTER}, False, 4),  # torch's AdamW: moments like the params
+    ({**BF16, **NO_MASTER}, True, 8),  # TE's / Apex's FusedAdam: fp32 moments
+    ({**BF16, **SGD}, None, 8),  # fp32 main params + one fp32 momentum buffer
+    ({**SGD, "policy.megatron_cfg.optimizer.sgd_momentum": 0.0}, None, 0),
+], ids=["fp32", "bf16", "fp16", "bf16-grads", "bf16-no-master-torch", "bf16-no-master-fused", "sgd", "sgd-no-momentum"])
+def test_optimizer_state_per_parameter_by_hand(flat, fused, per_param):
+    assert optimizer_state(_cfg_of(**flat), fused)[0] == per_param
+
+
+ALLOCATION_CASES = {"fp32": {}, "bf16": BF16, "bf16-grads": {**BF16, **HALF_GRADS}, "bf16-no-master": {**BF16, **NO_MASTER}}
+
+
+def _allocated_vs_planned(model_dir, world_size, **flat):
+    """One optimizer step of a real tiny run (grads filled by hand; clip off: it does not allocate) ->
+    {term: (bytes this rank allocated, bytes the plan says)} for parameters, gradients and the
+    optimizer column the run uses. Gradients: DDP's buffers; parameters: DDP's param buffers when
+    the distributed optimizer remaps the params there; optimizer: ``Optimizer.state_bytes()`` plus
+    any main-param gradient that is not a view of DDP's buffer (the fp32 copy of half grads)."""
+    from megatron_grpo.models import build_from_hf
+    from megatron_grpo.optim import Optimizer, wrap_model
+
+    flat = {"policy.model_name": model_dir, "policy.megatron_cfg.optimizer.clip_grad": 0.0, **flat}
+    cfg = _cfg_of(**flat)
+    model, shape = build_from_hf(model_dir, params_dtype=getattr(torch, cfg.policy.precision.params_dtype),
+                                 load_weights=False)
+    model = wrap_model(model, cfg)
+    opt = Optimizer(model, cfg)
+    buffers = model.buffers + model.expert_parallel_buffers
+    for b in buffers:
+        b.grad_data.fill_(1e-3)
+    assert opt.step()["train/skipped_nonfinite"].item() == 0
+    grad_storage = {b.grad_data.untyped_storage().data_ptr() for b in buffers}
+    main_params = [p for o in opt.chained for g in o.optimizer.param_groups for p in g["params"]]
+    grad_copies = sum(p.grad.numel() * p.grad.element_size() for p in main_params
+                      if p.grad is not None and p.grad.untyped_storage().data_ptr() not in grad_storage)
+    if all(b.param_data is not None for b in buffers):
+        params = sum(b.param_data.numel() * b.param_data.element_size() for b in buffers)
+    else:
+        params = sum(p.numel() * p.element_size() for p in model.parameters())
+    plan = memory_plan(cfg, shape, world_size)
+    column = "optimizer (distributed)" if cfg.policy.megatron_cfg.optimizer.use_distributed_optimizer \
+        else "optimizer (replicated)"
+    return {"parameters": (params, plan.term("parameters").bytes),
+            "gradients": (sum(b.grad_data.numel() * b.grad_data.element_size() for b in buffers),
+                          plan.term("gradients").bytes),
+            "optimizer": (opt.state_bytes() + grad_copies, plan.term(column).bytes)}
+
+
+def _assert_within_2_percent(terms):
+    for name, (allocated, planned) in terms.items():
+        assert allocated > 0 and abs(planned - allocated) <= 0.02 * allocated, (name, planned, allocated)
+
+
+@pytest.mark.parametrize("case", list(ALLOCATION_CASES))
+def test_plan_equals_the_replicated_optimizers_allocation(case, tiny_moe, megatron_single):
+    _assert_within_2_percent(_allocated_vs_planned(tiny_moe, 1, **ALLOCATION_CASES[case]))
+
+
+DISTRIBUTED_CASES = [
+    # bf16 params: fp32 main params + moments, dense and experts both sharded over DP = expert-DP = 2
+    (1, BF16),
+    # fp32 params, EP=2: dense sharded over DP=2, each rank's experts over expert-DP=1 (not sharded)
+    (2, {"policy.megatron_cfg.expert_model_parallel_size": 2}),
+]
+
+
+def _distributed_worker(model_dir):
+    from megatron_grpo.parallel import state
+
+    out = []
+    for ep, flat in DISTRIBUTED_CASES:
+        state.initialize_model_parallel(state.Layout(world_size=2, ep=ep))
+        flat = {"policy.megatron_cfg.optimizer.use_distributed_optimizer": True, **flat}
+        out.append(_allocated_vs_planned(model_dir, 2, **flat))
+    return out
+
+
+def test_plan_equals_the_distributed_optimizers_allocation_at_dp2(tiny_moe):
+    ranks = run_distributed(_distributed_worker, 2, tiny_moe)
+    for rank in ranks:
+        for terms in rank:
+            _assert_within_2_percent(terms)
+    (bf16, ep2), _ = ranks
+    # sharded state: bf16 = 12 B/param over 2 ranks; EP=2 fp32: 8 B/param, dense over DP=2, each rank's half of
+    # the experts over expert-DP=1
+    count = count_params(shape_from_hf(load_hf_config(tiny_moe)))
+    assert bf16["optimizer"][1] == 12 * count.num_local / 2
+    assert ep2["optimizer"][1] == 8 * (count.num_dense_local / 2 + count.num_expert_local / 2)
+    # DDP's padding (param starts at 64 elements, bucket ends at lcm(DP, 128)) is the whole gap
+    assert 0 < bf16["gradients"][0] - bf16["gradients"][1] <= 0.001 * bf16["gradients"][1]
 
 
 def test_activation_formula_by_hand():
@@ -116,11 +218,12 @@ def test_cluster_recipes_fit_with_the_distributed_optimizer(recipe, world, monke
     monkeypatch.chdir(ROOT)
     cfg = load_recipe(os.path.join("recipes", recipe))
     shape = shape_from_hf(load_hf_config(cfg.policy.model_name))
-    assert cfg.cluster.gpu_memory_gib and cfg.cluster.assume_distributed_optimizer
+    assert cfg.cluster.gpu_memory_gib and cfg.policy.megatron_cfg.optimizer.use_distributed_optimizer
     plan = memory_plan(cfg, shape, world)
+    assert plan.distributed_optimizer and "distributed optimizer" in format_plan(plan)
     check_fits(plan, cfg, shape)
     assert plan.total <= cfg.cluster.gpu_memory_gib * GIB
-    cfg.cluster.assume_distributed_optimizer = False  # the current replicated AdamW (30B: does not fit)
+    cfg.policy.megatron_cfg.optimizer.use_distributed_optimizer = False  # replicated optimizer state (30B: no fit)
     replicated = memory_plan(cfg, shape, world)
     assert (replicated.total <= cfg.cluster.gpu_memory_gib * GIB) == REPLICATED_FITS[recipe]
 

@@ -34,7 +34,7 @@ def near_tie_moe(tmp_path_factory):
 
 def _stepper(model_dir, *overrides, with_ref=False, **build):
     from megatron_grpo.models import build_from_hf
-    from megatron_grpo.optim import Optimizer
+    from megatron_grpo.optim import Optimizer, wrap_model
     from megatron_grpo.recipe import load_recipe
     from megatron_grpo.step import TrainStep
 
@@ -42,7 +42,8 @@ def _stepper(model_dir, *overrides, with_ref=False, **build):
                                "policy.train_micro_batch_size=4", *overrides])
     model, _ = build_from_hf(model_dir, **build)
     ref = build_from_hf(model_dir)[0].requires_grad_(False) if with_ref else None
-    return TrainStep(model, Optimizer(model, cfg.policy.optimizer, cfg.policy.precision), cfg, None, None, ref)
+    model = wrap_model(model, cfg)
+    return TrainStep(model, Optimizer(model, cfg), cfg, None, None, ref)
 
 
 def _sequences():
@@ -226,7 +227,7 @@ def _router_grad(model_dir, rows, coeffs):
     batch = StepBatch(packed, old, adv, packed.mask.sum().double(), packed.mask.any(-1).sum().double())
     st.optimizer.zero_grad()
     st.forward_backward(batch, None, None)
-    return [p.grad.clone() for n, p in st.model.named_parameters() if "router" in n]
+    return [p.main_grad.clone() for n, p in st.model.named_parameters() if "router" in n]
 
 
 @pytest.mark.parametrize("coeffs", [dict(moe_z_loss_coeff=0.5), dict(moe_aux_loss_coeff=0.5)], ids=["z", "aux"])

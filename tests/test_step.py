@@ -12,7 +12,7 @@ from tests.test_routing import ROWS, _step_batch, _stepper
 def _grads_after_step(model_dir, micro_batch_size, clip):
     torch.manual_seed(0)
     st = _stepper(model_dir, f"policy.train_micro_batch_size={micro_batch_size}", f"loss_fn.clip={clip}",
-                  "policy.optimizer.clip_grad=0")
+                  "policy.megatron_cfg.optimizer.clip_grad=0")
     old = torch.full((ROWS, 24), -7.0)
     st.current_step, st.nonfinite = 1, []
     batch = _step_batch(old, torch.linspace(-1.0, 1.0, ROWS, dtype=torch.float64))
@@ -20,8 +20,7 @@ def _grads_after_step(model_dir, micro_batch_size, clip):
     center = st.weight_center(batch, None)
     st.optimizer.zero_grad()
     stats, _ = st.forward_backward(batch, None, None, None, center)
-    st.optimizer.reduce_gradients()
-    return [p.grad.clone() for p in st.optimizer.params], center
+    return [p.main_grad.clone() for p in st.optimizer.params], center
 
 
 @pytest.mark.parametrize("clip", ["detach_center", "ppo"])
@@ -75,19 +74,22 @@ def test_batch_checks_run_on_the_whole_batch(tiny_dense):
         build_step_batch(rollouts([7], [float("-inf")]), adv, 0, 2, 0, step=3)
 
 
-def test_fp16_overflow_backs_off_without_counting_as_a_nonfinite_skip(tiny_dense, megatron_single):
-    from megatron_grpo.config import OptimizerConfig, PrecisionConfig
-    from megatron_grpo.models import build_from_hf
-    from megatron_grpo.optim import Optimizer
+@pytest.mark.parametrize("params_dtype", ["float32", "float16"])
+def test_fp16_overflow_backs_off_without_counting_as_a_nonfinite_skip(params_dtype, tiny_dense, megatron_single):
+    """Megatron's dynamic loss scaler (fp16 compute over fp32 params, and fp16 params with fp32
+    main params): an overflow halves the scale and skips the update; at the minimum scale it is a
+    non-finite skip."""
+    from tests.test_routing import _stepper
 
-    model, _ = build_from_hf(tiny_dense)
-    precision = PrecisionConfig(compute_dtype="float16", initial_loss_scale=4.0, min_loss_scale=1.0)
-    opt = Optimizer(model, OptimizerConfig(lr=1e-3), precision)
+    st = _stepper(tiny_dense, f"policy.precision.params_dtype={params_dtype}", "policy.precision.compute_dtype=float16",
+                  "policy.precision.initial_loss_scale=4.0", "policy.precision.min_loss_scale=1.0",
+                  params_dtype=getattr(torch, params_dtype))
+    opt = st.optimizer
     before = [p.detach().clone() for p in opt.params]
     flags = []
     for _ in range(3):
         for p in opt.params:
-            p.grad = torch.full_like(p, float("inf"))
+            p.main_grad.fill_(float("inf"))
         out = opt.step()
         flags.append((out["train/skipped_overflow"].item(), out["train/skipped_nonfinite"].item(), opt.loss_scale()))
     # 4 -> 2 -> 1: back-off skips; at the minimum scale the overflow is a real non-finite skip

@@ -1,4 +1,5 @@
-"""tools/: the sweep (2 runs x 2 steps), the figures (valid PNGs, one series per run) and the report."""
+"""tools/: the sweep (2 runs x 2 steps), the figures (valid PNGs, one series per run), the report, and the
+GPU check's CPU dry run."""
 
 import csv
 import json
@@ -11,7 +12,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 
-pytestmark = pytest.mark.vllm
+vllm = pytest.mark.vllm  # the sweep runs the default generator (vLLM)
 
 SMALL = ["grpo.num_prompts_per_step=2", "grpo.num_generations_per_prompt=4", "generation.max_new_tokens=8",
          "logger.tensorboard=false", "logger.token_dump_steps=[1]"]
@@ -27,6 +28,7 @@ def sweep_dir(tmp_path_factory, tiny_dense):
     return out, cmd
 
 
+@vllm
 def test_sweep_writes_table_with_columns_and_is_resumable(sweep_dir):
     from sweep import COLUMNS
 
@@ -42,6 +44,7 @@ def test_sweep_writes_table_with_columns_and_is_resumable(sweep_dir):
     assert again.returncode == 0 and again.stdout.count("done already") == 2
 
 
+@vllm
 def test_figures_are_pngs_with_one_series_per_run(sweep_dir):
     import plot_metrics
 
@@ -63,6 +66,7 @@ def test_figures_are_pngs_with_one_series_per_run(sweep_dir):
     assert [len(ax.get_lines()) for ax in clip.axes] == [3, 3]
 
 
+@vllm
 def test_report_combines_table_and_figures(sweep_dir):
     import report
 
@@ -90,3 +94,32 @@ def test_moe_runs_get_routing_figures(tmp_path):
     fig = plot_metrics.routing_beta_figure(plot_metrics.load_runs(runs))
     heights = [round(bar.get_height(), 6) for bar in fig.axes[0].patches]
     assert heights == [1e-3, 1e-2, 1e-3, 0.0]
+
+
+@pytest.mark.slow
+def test_gpu_check_dry_run_trains_runs_a_and_b(tmp_path):
+    """``GPU_CHECK_DRY=1 tools/gpu_check.sh``: the device check's own script and phases on CPU (tiny
+    model of the Qwen3-0.6B family written without transformers, no tokenizer, 2 steps per run of
+    the real ``megatron-grpo train`` with generation.backend=megatron)."""
+    out = tmp_path / "out"
+    env = dict(os.environ, GPU_CHECK_DRY="1", PYTHON=sys.executable, GPU_CHECK_WORK=str(tmp_path / "work"))
+    proc = subprocess.run(["bash", "tools/gpu_check.sh", str(out)], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=400)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    assert "gpu_check: OK" in proc.stdout
+    assert sorted(os.listdir(out)) == ["gpu_check.json", "gpu_check.log", "run_A.metrics.jsonl",
+                                       "run_B.metrics.jsonl"]  # small files only: the device returns few
+    results = json.loads((out / "gpu_check.json").read_text())
+    assert results["ok"] and results["mode"] == "dry" and results["errors"] == []
+    assert all(p["rc"] == 0 for p in results["phases"].values()) and set(results["phases"]) == {"beta", "runA", "runB"}
+    a, b = results["runs"]["A"], results["runs"]["B"]
+    assert a["steps_logged"] == b["steps_logged"] == 2
+    assert a["precision/beta_abs_mean"] == [0.0, 0.0] and a["precision/beta_abs_max"] == [0.0, 0.0]  # matched
+    assert all(v > 0 for v in b["precision/beta_abs_mean"])  # fp32 trainer vs bf16 generator
+    for run in (a, b):
+        assert all(t > 0 for t in run["time/step_s"]) and run["step_s_mean_after_first"] > 0
+        for key in ("clip/phantom_region_fraction", "clip/phantom_zero_grad_fraction", "clip/legit_zero_grad_fraction"):
+            assert all(0.0 <= v <= 1.0 for v in run[key]), key
+    beta = results["beta"]
+    assert beta["beta_abs_mean_bf16"] > beta["beta_abs_mean_fp16"] > 0  # fp16 keeps 3 more mantissa bits
+    assert beta["tokens_common"] + beta["tokens_medium"] + beta["tokens_rare"] == beta["tokens"]

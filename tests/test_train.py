@@ -83,16 +83,25 @@ def test_bf16_matched_beta_exactly_zero_and_fp32_mismatch_shows_phantom(tmp_path
         assert r["clip/zero_grad_fraction"] > 0 and r["grad/cos_clean"] < 0.999  # clipping bends the gradient
 
 
-@pytest.mark.parametrize("layout", [["policy.megatron_cfg.tensor_model_parallel_size=2"], []],
-                         ids=["tp2", "dp2"])
-def test_two_rank_layouts_match_single_process_first_step(layout, tmp_path, tiny_dense, tiny_run):
+@pytest.mark.parametrize("layout", [
+    ["policy.megatron_cfg.tensor_model_parallel_size=2"],
+    ["policy.megatron_cfg.optimizer.use_distributed_optimizer=true",
+     "policy.megatron_cfg.distributed_data_parallel_config.overlap_grad_reduce=true",
+     "policy.megatron_cfg.distributed_data_parallel_config.bucket_size=20000"],
+    ["policy.megatron_cfg.pipeline_model_parallel_size=2", "grpo.max_num_steps=3"],
+], ids=["tp2", "dp2-distopt-overlap", "pp2"])
+def test_two_rank_layouts_match_single_process(layout, tmp_path, tiny_dense, tiny_run):
+    """TP = 2, DP = 2 (Megatron's distributed optimizer, bucketed grad reduction overlapped with the
+    backward) and PP = 2 (1F1B) under torchrun: the steps equal the single-process run's; the
+    pipeline run pushes weights to vLLM and passes the parity probe every step."""
     code, out, rows = run_cli([f"policy.model_name={tiny_dense}", "grpo.max_num_steps=1"] + layout,
                               str(tmp_path / "run"), nproc=2)
     assert code == 0, out[-4000:]
-    ref = tiny_run[0]
-    for name in ("loss/policy", "reward/mean", "completion/length_mean", "policy/kl_rollout",
-                 "clip/region_fraction", "train/grad_norm", "policy/deployed_improvement"):
-        assert rows[0][name] == pytest.approx(ref[name], abs=1e-5, rel=1e-4), name
+    for row, ref in zip(rows, tiny_run):
+        for name in ("loss/policy", "reward/mean", "completion/length_mean", "policy/kl_rollout",
+                     "clip/region_fraction", "train/grad_norm", "policy/deployed_improvement"):
+            assert row[name] == pytest.approx(ref[name], abs=1e-5, rel=1e-4), (row["step"], name)
+        assert row["sync/logprob_abs_diff_max"] < 1e-4 and row["sync/push_s"] > 0
 
 
 @pytest.mark.parametrize("override, message", [

@@ -1,32 +1,102 @@
-"""Benchmark: vLLM (our generator process) tokens/s vs ``transformers.generate`` on the same model.
+"""Benchmark the generator, side by side in one run:
 
-Same prompts, same number of completions and tokens, sampling at temperature 1, side by
-side in one run. Prints the ratio last (goal >= 3x).
-Usage: python tools/bench_rollout.py [--model DIR] [--prompts 8] [--n 8] [--max-tokens 64]
+1. tokens/s of 1 vs 2 vLLM engines (``EnginePool``; each of the 2 engines bound to half the
+   cores) and of ``transformers.generate`` (goal: vLLM >= 3x transformers);
+2. seconds to push the model's weights (bucketed at layer ends, like training) to 1 vs 2 engines
+   (one fan-out push: each bucket written once under /dev/shm, read by every engine) vs a raw
+   memcpy of the same bytes (goal: 2 engines <= 1.3x 1 engine).
+
+Same prompts, completions and tokens for every generator, sampling at temperature 1.
+Usage: python tools/bench_rollout.py [--model DIR | --hidden 1024 --layers 8] [--prompts 8] [--n 8]
+       [--max-tokens 64] [--bucket-mb 64] [--repeats 3] [--skip-transformers]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import statistics
 import tempfile
 import time
 
 import torch
 
 
-def bench_vllm(model_dir, prompts, n, max_tokens, dtype):
-    from megatron_grpo.rollout import Sampling
+def start_pool(model_dir, num_engines, dtype):
+    from megatron_grpo.rollout.pool import EnginePool, available_cpus, cpu_bindings
     from megatron_grpo.rollout.vllm_engine import VLLMEngine
 
-    engine = VLLMEngine(model_dir, dtype, max_model_len=256)
+    binds = cpu_bindings(num_engines, 1, available_cpus())
+    return EnginePool(lambda i: VLLMEngine(model_dir, dtype, max_model_len=256, cpu_bind=binds[i]), num_engines)
+
+
+def bench_engines(model_dir, prompts, n, max_tokens, dtype, num_engines, buckets, repeats):
+    """Tokens/s, median push seconds and start seconds of a pool of ``num_engines``; with 2 engines
+    also of engine 0 alone (same pinned cores: the like-for-like reference of the pair)."""
+    from megatron_grpo.rollout import Sampling
+    from megatron_grpo.rollout.fanout import fan_out
+
+    started = time.perf_counter()
+    pool = start_pool(model_dir, num_engines, dtype)
+    start_s = time.perf_counter() - started
+    sampling = Sampling(max_tokens=max_tokens, seed=1, stop_token_ids=())
+    out = {"start_s": start_s}
     try:
-        engine.generate(prompts[:1], 1, Sampling(max_tokens=4, seed=0))  # warm-up
-        start = time.perf_counter()
-        rollouts = engine.generate(prompts, n, Sampling(max_tokens=max_tokens, seed=1, stop_token_ids=()))
-        seconds = time.perf_counter() - start
+        pool.generate(prompts[:num_engines], 1, Sampling(max_tokens=4, seed=0))  # warm-up, every engine
+        out["tokens_per_s"] = _tokens_per_s(lambda: pool.generate(prompts, n, sampling))
+        out["push_s"] = _median_push(lambda v: pool.update_weights(buckets, v), repeats)
+        if num_engines > 1:
+            out["alone_tokens_per_s"] = _tokens_per_s(lambda: pool.engines[0].generate(prompts, n, sampling))
+            out["alone_push_s"] = _median_push(lambda v: fan_out(buckets, pool.engines[:1], 100 + v), repeats)
     finally:
-        engine.close()
-    return sum(len(r.completion_ids) for r in rollouts) / seconds
+        pool.close()
+    return out
+
+
+def _tokens_per_s(generate) -> float:
+    started = time.perf_counter()
+    rollouts = generate()
+    return sum(len(r.completion_ids) for r in rollouts) / (time.perf_counter() - started)
+
+
+def _median_push(push, repeats) -> float:
+    seconds = []
+    for version in range(1, repeats + 2):  # the first push warms up
+        started = time.perf_counter()
+        push(version)
+        seconds.append(time.perf_counter() - started)
+    return statistics.median(seconds[1:])
+
+
+def bench_memcpy(buckets, repeats):
+    """Median seconds to copy every pushed tensor once into preallocated host memory."""
+    targets = [[torch.empty_like(t) for _, t in bucket] for bucket in buckets]
+    seconds = []
+    for _ in range(repeats + 1):
+        started = time.perf_counter()
+        for bucket, dsts in zip(buckets, targets):
+            for (_, src), dst in zip(bucket, dsts):
+                dst.copy_(src)
+        seconds.append(time.perf_counter() - started)
+    return statistics.median(seconds[1:])
+
+
+def weight_buckets(model_dir, dtype, bucket_mb):
+    """The checkpoint's tensors, nudged (so a push changes something) and cast, grouped into buckets of
+    about ``bucket_mb`` that close only between layers (as ``weight_sync.hf_buckets`` does)."""
+    from safetensors.torch import load_file
+
+    from megatron_grpo.rollout.weight_sync import _layer_of
+
+    buckets, bucket, size, group = [], [], 0, None
+    for name, tensor in load_file(os.path.join(model_dir, "model.safetensors")).items():
+        if size >= bucket_mb * 2**20 and _layer_of(name) != group:
+            buckets.append(bucket)
+            bucket, size = [], 0
+        group = _layer_of(name)
+        bucket.append((name, (tensor * 1.01).to(dtype).contiguous()))
+        size += tensor.numel() * bucket[-1][1].element_size()
+    return buckets + [bucket] if bucket else buckets
 
 
 def bench_transformers(model_dir, prompts, n, max_tokens, dtype):
@@ -47,29 +117,57 @@ def bench_transformers(model_dir, prompts, n, max_tokens, dtype):
     return (out.shape[1] - width) * out.shape[0] / seconds
 
 
+def make_model(args) -> str:
+    from megatron_grpo.models.tiny import make_tiny_model
+
+    overrides = {}
+    if args.hidden:
+        overrides.update(hidden_size=args.hidden, intermediate_size=3 * args.hidden, num_attention_heads=args.hidden // 64,
+                         num_key_value_heads=max(1, args.hidden // 256), head_dim=64)
+    if args.layers:
+        overrides["num_hidden_layers"] = args.layers
+    return make_tiny_model(tempfile.mkdtemp(prefix="bench-rollout-"), "qwen3", overrides=overrides or None)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model", default=None, help="HF checkpoint dir (default: a fresh tiny Qwen3)")
+    parser.add_argument("--hidden", type=int, default=None, help="without --model: a wider tiny Qwen3 (e.g. 1024)")
+    parser.add_argument("--layers", type=int, default=None, help="without --model: this many layers")
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--n", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--bucket-mb", type=float, default=64.0)
+    parser.add_argument("--repeats", type=int, default=3, help="pushes timed per engine count (median)")
+    parser.add_argument("--skip-transformers", action="store_true")
     args = parser.parse_args()
-    model_dir = args.model
-    if model_dir is None:
-        from megatron_grpo.models.tiny import make_tiny_model
-
-        model_dir = make_tiny_model(tempfile.mkdtemp(prefix="bench-rollout-"), "qwen3")
+    model_dir = args.model or make_model(args)
     dtype = getattr(torch, args.dtype)
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(5, 1000, (int(torch.randint(4, 12, (1,), generator=gen)),), generator=gen).tolist()
                for _ in range(args.prompts)]
-    vllm_tps = bench_vllm(model_dir, prompts, args.n, args.max_tokens, dtype)
-    hf_tps = bench_transformers(model_dir, prompts, args.n, args.max_tokens, dtype)
-    print(f"model={model_dir} prompts={args.prompts} n={args.n} max_tokens={args.max_tokens} dtype={args.dtype}")
-    print(f"vLLM:         {vllm_tps:8.1f} tokens/s")
-    print(f"transformers: {hf_tps:8.1f} tokens/s")
-    print(f"ratio vLLM / transformers: {vllm_tps / hf_tps:.2f}x  (goal >= 3x)")
+    buckets = weight_buckets(model_dir, dtype, args.bucket_mb)
+    num_bytes = sum(t.numel() * t.element_size() for b in buckets for _, t in b)
+    results = {k: bench_engines(model_dir, prompts, args.n, args.max_tokens, dtype, k, buckets, args.repeats)
+               for k in (1, 2)}
+    memcpy_s = bench_memcpy(buckets, args.repeats)
+    hf_tps = None if args.skip_transformers else bench_transformers(model_dir, prompts, args.n, args.max_tokens, dtype)
+    one, two = results[1], results[2]
+    print(f"model={model_dir} ({num_bytes / 2**20:.1f} MiB in {args.dtype}) prompts={args.prompts} n={args.n} "
+          f"max_tokens={args.max_tokens} cpus={len(os.sched_getaffinity(0))}")
+    print("columns: 1 engine (vLLM's own threads, all cores) | 2 engines (each pinned to half the cores) | "
+          "engine 0 of the pair alone")
+    print(f"engine start (s):    {one['start_s']:8.1f} | {two['start_s']:8.1f} (concurrently) |")
+    print(f"generation tokens/s: {one['tokens_per_s']:8.1f} | {two['tokens_per_s']:8.1f} | "
+          f"{two['alone_tokens_per_s']:8.1f}")
+    if hf_tps is not None:
+        print(f"transformers.generate: {hf_tps:8.1f} tokens/s; vLLM (1 engine) / transformers: "
+              f"{one['tokens_per_s'] / hf_tps:.2f}x (goal >= 3x)")
+    print(f"weight push (s, {len(buckets)} bucket(s), median of {args.repeats}): {one['push_s']:8.3f} | "
+          f"{two['push_s']:8.3f} | {two['alone_push_s']:8.3f}    raw memcpy of the same bytes: {memcpy_s:.4f} s")
+    print(f"push to 2 engines / push to 1: {two['push_s'] / one['push_s']:.2f}x vs the 1-engine run, "
+          f"{two['push_s'] / two['alone_push_s']:.2f}x vs engine 0 alone (goal <= 1.3x)")
 
 
 if __name__ == "__main__":

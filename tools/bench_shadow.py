@@ -31,18 +31,21 @@ def _batch(shape, rows, prompt_len, completion_len, seed=0):
     return build_step_batch(Rollouts(items), adv, 0, 1, pad_id=0)
 
 
-def time_step(model, shape, compute, shadow, batch, repeats) -> float:
+def time_step(model_dir, compute, shadow, batch, repeats) -> float:
     from megatron.core import parallel_state as ps
 
     from megatron_grpo.config import Config, from_dict
-    from megatron_grpo.optim import Optimizer
+    from megatron_grpo.models import build_from_hf
+    from megatron_grpo.optim import Optimizer, wrap_model
     from megatron_grpo.step import TrainStep
 
     cfg = from_dict(Config, {"policy": {"precision": {"compute_dtype": compute, "generation_dtype": shadow,
                                                       "shadow_dtype": shadow}},
                              "grpo": {"deployed_improvement": False}})
-    step = TrainStep(model, Optimizer(model, cfg.policy.optimizer, cfg.policy.precision), cfg,
-                     ps.get_tensor_model_parallel_group(), ps.get_data_parallel_group())
+    torch.manual_seed(0)
+    model = wrap_model(build_from_hf(model_dir)[0], cfg)
+    step = TrainStep(model, Optimizer(model, cfg), cfg, ps.get_tensor_model_parallel_group(),
+                     ps.get_data_parallel_group())
     step.run(batch)  # warm-up
     times = []
     for _ in range(repeats):
@@ -61,7 +64,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
 
-    from megatron_grpo.models import build_from_hf
+    from megatron_grpo.models import load_hf_config, shape_from_hf
     from megatron_grpo.parallel import state
 
     model_dir = args.model
@@ -70,11 +73,11 @@ def main() -> None:
 
         model_dir = make_tiny_model(tempfile.mkdtemp(prefix="bench-shadow-"), "qwen3")
     state.initialize_model_parallel(state.Layout(world_size=1))
-    model, shape = build_from_hf(model_dir)
+    shape = shape_from_hf(load_hf_config(model_dir))
     batch = _batch(shape, args.rows, args.prompt_len, args.completion_len)
-    no_shadow = time_step(model, shape, "float32", "float32", batch, args.repeats)
-    with_shadow = time_step(model, shape, "float32", "bfloat16", batch, args.repeats)
-    bf16 = time_step(model, shape, "bfloat16", "bfloat16", batch, args.repeats)
+    no_shadow = time_step(model_dir, "float32", "float32", batch, args.repeats)
+    with_shadow = time_step(model_dir, "float32", "bfloat16", batch, args.repeats)
+    bf16 = time_step(model_dir, "bfloat16", "bfloat16", batch, args.repeats)
     print(f"model={model_dir} rows={args.rows} tokens/row={args.prompt_len + args.completion_len}")
     print(f"fp32 step, shadow skipped (matched):    {no_shadow * 1e3:8.1f} ms")
     print(f"fp32 step + bf16 shadow (mismatched):   {with_shadow * 1e3:8.1f} ms")

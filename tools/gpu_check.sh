@@ -1,14 +1,75 @@
 #!/usr/bin/env bash
-# One prepared check for a single-H200 machine without network (Python 3.12, torch 2.11 + CUDA
-# preinstalled; megatron-core travels as a wheel in ./wheels if not installed; no TE, no vLLM).
-# Measures the Qwen3-0.6B-shaped model's fp32-vs-bf16 and fp32-vs-fp16 beta (overall and by token
-# rarity) with Megatron's local spec and torch autocast, then runs a few GRPO-style steps
-# (shadow forward + loss + backward + AdamW) on random "rollouts". Writes results to $1.
-#   bash tools/gpu_check.sh OUT_DIR          (target: under 8 minutes)
+# The one prepared check for a single-H200 machine without network (Python 3.12, torch + CUDA,
+# safetensors / pyyaml preinstalled; no megatron-core, omegaconf, TE or vLLM).
+# Runs the real trainer (python -m megatron_grpo train) with generation.backend=megatron on a
+# random-init Qwen3-0.6B-shaped model: run A (bf16 autocast trainer, bf16 generator: beta = 0) and
+# run B (fp32 trainer vs bf16 generator: the write-up's mismatch), plus the fp32-vs-bf16/fp16 beta
+# by rarity bucket; prints beta, phantom clip fractions and step times (tools/gpu_check.py).
+#
+#   bash tools/fetch_gpu_wheels.sh                 # here, once (PyPI): fills ./wheels (~4 MB)
+#   bash tools/gpu_check.sh OUT_DIR                # there, with ./wheels carried; under 8 minutes
+#   GPU_CHECK_DRY=1 bash tools/gpu_check.sh OUT    # CPU, tiny model, 2 steps per run (CI)
+#
+# OUT_DIR receives small files only: gpu_check.json, gpu_check.log, run_{A,B}.metrics.jsonl. The
+# checkpoint and run folders go to $GPU_CHECK_WORK (default: a new temporary folder; removed after a
+# dry run). Python: $PYTHON, else .venv/bin/python, else python3. Exit status 0 only when every
+# phase ran and every check held; otherwise non-zero with "gpu_check: FAILED: ..." printed.
 set -euo pipefail
-out="${1:?usage: tools/gpu_check.sh OUT_DIR}"
+out="${1:?usage: tools/gpu_check.sh OUT_DIR   (GPU_CHECK_DRY=1 for the CPU dry run)}"
 mkdir -p "$out"
+out="$(cd "$out" && pwd)"
 cd "$(dirname "$0")/.."
-python -c "import megatron.core" 2>/dev/null || pip install --no-deps --no-index wheels/megatron_core-*.whl
-export PYTHONPATH="$PWD:${PYTHONPATH:-}"
-timeout 480 python tools/gpu_check.py --out "$out" 2>&1 | tee "$out/gpu_check.log"
+limit=480
+fail() { echo "gpu_check: FAILED: $*" >&2; exit 1; }
+
+py="${PYTHON:-}"
+if [ -z "$py" ]; then
+  if [ -x .venv/bin/python ]; then py=.venv/bin/python; else py=python3; fi
+fi
+dry="${GPU_CHECK_DRY:-0}"
+[ "$dry" = 0 ] && dry_flag=() || dry_flag=(--dry)
+
+# What the train path (generation.backend=megatron) imports beyond torch and numpy and the machine
+# may lack: module -> wheel name in ./wheels (tools/fetch_gpu_wheels.sh). Checked without importing
+# them (megatron.core's import alone takes seconds); only the missing ones are installed, from
+# ./wheels alone (no index, no deps), into a folder put on PYTHONPATH. yaml and safetensors are
+# preinstalled there; transformers / tokenizers are not needed (token-id prompts, no tokenizer).
+needs=(megatron.core:megatron_core omegaconf:omegaconf yaml:pyyaml safetensors:safetensors)
+missing=()
+for spec in "${needs[@]}"; do
+  probe="import importlib.util, sys; sys.exit(importlib.util.find_spec('${spec%%:*}') is None)"
+  if ! "$py" -c "$probe" 2>/dev/null; then
+    missing+=("${spec#*:}")
+  fi
+done
+if [ "${#missing[@]}" -gt 0 ]; then
+  files=()
+  shopt -s nocaseglob
+  for name in "${missing[@]}"; do
+    match=(wheels/"$name"-*.whl)
+    [ -f "${match[0]}" ] || fail "$name is not installed and wheels/$name-*.whl is missing: run" \
+      "'bash tools/fetch_gpu_wheels.sh' on a machine with PyPI and carry the wheels folder"
+    files+=("${match[@]}")
+  done
+  site="${TMPDIR:-/tmp}/megatron_grpo_gpu_site"
+  echo "gpu_check: installing ${missing[*]} from ./wheels into $site"
+  "$py" -m pip install -q --no-index --no-deps --no-compile --disable-pip-version-check --upgrade \
+    --target "$site" "${files[@]}" || fail "pip could not install ${files[*]}"
+  export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
+fi
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+
+work="${GPU_CHECK_WORK:-}"
+if [ -z "$work" ]; then
+  work="$(mktemp -d "${TMPDIR:-/tmp}/gpu_check.XXXXXX")"
+  [ "$dry" = 0 ] || trap 'rm -rf "$work"' EXIT
+fi
+left=$((limit - SECONDS))
+rc=0
+timeout -k 10 "$left" "$py" tools/gpu_check.py --out "$out" --work "$work" --budget $((left - 10)) "${dry_flag[@]}" \
+  2>&1 | tee "$out/gpu_check.log" || rc=$?
+if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then
+  fail "did not finish within $limit s (see $out/gpu_check.log)"
+elif [ "$rc" -ne 0 ]; then
+  fail "tools/gpu_check.py exited with status $rc (the reasons are printed above; log: $out/gpu_check.log)"
+fi

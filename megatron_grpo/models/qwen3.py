@@ -6,7 +6,7 @@ import json
 import logging
 import os
 from dataclasses import dataclass
-from typing import Any, Dict, Optional
+from typing import Any, Dict
 
 import torch
 
@@ -107,7 +107,7 @@ def transformer_config(shape: ModelShape, *, params_dtype: torch.dtype = torch.f
         params_dtype=params_dtype, bf16=params_dtype == torch.bfloat16, fp16=params_dtype == torch.float16,
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep,
         expert_tensor_parallel_size=etp, sequence_parallel=sequence_parallel,
-        calculate_per_token_loss=True, init_method_std=0.02, **moe,
+        calculate_per_token_loss=True, init_method_std=0.02, pipeline_dtype=params_dtype if pp > 1 else None, **moe,
     )
 
 
@@ -126,6 +126,9 @@ def build_gpt_model(shape: ModelShape, config, *, backend: str = "auto"):
         rotary_base=shape.rope_theta, rotary_percent=1.0,
     )
     model.megatron_grpo_backend = chosen
+    for name, param in model.named_parameters():
+        if ".experts." in name:  # Megatron marks them only when EP > 1; ETP shards need it too
+            param.allreduce = False  # DDP: reduce over expert-DP; optimizer and grad norm: expert params
     if config.bf16 or config.fp16:
         model = Float16Module(config, model)
     return model

@@ -33,6 +33,8 @@ class ParamMap:
     kind: str
     """rep | column | vocab | row | qkv | glu"""
     expert: bool = False
+    tied_copy: bool = False
+    """The last pipeline stage's copy of tied embeddings (loaded, never exported)."""
 
 
 def _layer_maps(shape: ModelShape, layer: int, local_layer: int, backend: str, local_experts: Sequence[int]) -> List[ParamMap]:
@@ -111,6 +113,8 @@ def param_maps(shape: ModelShape, place: RankPlacement) -> List[ParamMap]:
         maps.append(ParamMap("decoder.final_layernorm.weight", ("model.norm.weight",), "rep"))
         if not shape.tie_word_embeddings:
             maps.append(ParamMap("output_layer.weight", ("lm_head.weight",), "vocab"))
+        elif not place.pre_process:  # PP > 1: Megatron keeps a synchronised copy on the last stage
+            maps.append(ParamMap("output_layer.weight", ("model.embed_tokens.weight",), "vocab", tied_copy=True))
     return maps
 
 
@@ -262,7 +266,36 @@ def export_hf_tensors(model, shape: ModelShape, *, include_tied_lm_head: bool = 
     One parameter (or one layer's experts) is gathered at a time, so at most one layer's
     worth of full tensors exists beyond the model itself. ``source(name, param)`` picks
     another per-parameter tensor of the same shape (an optimizer moment, a master weight).
+    With pipeline parallelism the stages take turns, in order; each tensor is broadcast from
+    its stage to the others.
     """
+    stage_tensors = _export_stage(model, shape, include_tied_lm_head, source)
+    pp_group = comm.pipeline_group()
+    if comm.group_size(pp_group) == 1:
+        yield from stage_tensors
+        return
+    mine = comm.group_rank(pp_group)
+    for stage in range(comm.group_size(pp_group)):
+        src = comm.global_rank_in_group(pp_group, stage)
+        tensors = stage_tensors if stage == mine else iter(())
+        while True:
+            item = next(tensors, None)
+            header = comm.broadcast_object(None if item is None else (item[0], tuple(item[1].shape), item[1].dtype),
+                                           src=src, group=pp_group)
+            if header is None:
+                break
+            name, size, dtype = header
+            device = item[1].device if item is not None else _device(model)
+            buf = item[1].contiguous() if item is not None else torch.empty(size, dtype=dtype, device=device)
+            yield name, comm.broadcast_tensor(buf, src, pp_group)
+
+
+def _device(model) -> torch.device:
+    return next(unwrap(model).parameters()).device
+
+
+def _export_stage(model, shape: ModelShape, include_tied_lm_head: bool, source) -> Iterator[Tuple[str, torch.Tensor]]:
+    """This pipeline stage's full HF tensors (gathered over TP / ETP / EP)."""
     from megatron.core import parallel_state as ps
 
     place = RankPlacement.current(model)
@@ -283,9 +316,7 @@ def export_hf_tensors(model, shape: ModelShape, *, include_tied_lm_head: bool = 
 
 
 def _export_order(shape: ModelShape, place: RankPlacement) -> List[ParamMap]:
-    if not (place.pre_process and place.post_process):
-        raise NotImplementedError("export with pipeline parallelism > 1 is not implemented yet")
-    return param_maps(shape, place)
+    return [pm for pm in param_maps(shape, place) if not pm.tied_copy]
 
 
 def _gather_shards(local: torch.Tensor, group) -> List[torch.Tensor]:

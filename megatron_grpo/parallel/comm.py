@@ -95,3 +95,50 @@ def global_rank_in_group(group, group_rank_: int) -> int:
 def world_group():
     """The default (world) process group, or None when not distributed."""
     return dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
+
+
+def all_gather_object(obj, group=None) -> list:
+    """``[obj of group rank 0, obj of group rank 1, ...]`` (``[obj]`` when not distributed)."""
+    if not _active(group):
+        return [obj]
+    out = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def pipeline_group():
+    """This rank's pipeline-parallel group (None before Megatron's parallel state exists)."""
+    from megatron.core import parallel_state as ps
+
+    return ps.get_pipeline_model_parallel_group() if ps.model_parallel_is_initialized() else None
+
+
+def _last_stage_source():
+    from megatron.core import parallel_state as ps
+
+    return ps.get_pipeline_model_parallel_last_rank(), ps.is_pipeline_last_stage()
+
+
+def tensor_from_last_stage(tensor: Optional[torch.Tensor], shape, dtype: torch.dtype,
+                           device: torch.device) -> torch.Tensor:
+    """The last pipeline stage's ``tensor`` on every stage of this rank's pipeline (the other
+    stages pass None and get a tensor of ``shape`` / ``dtype`` on ``device``); PP = 1: ``tensor``."""
+    group = pipeline_group()
+    if group_size(group) == 1:
+        return tensor
+    src, is_last = _last_stage_source()
+    target = collective_device(device, group)
+    buf = tensor.to(target).contiguous() if is_last else torch.empty(shape, dtype=dtype, device=target)
+    dist.broadcast(buf, src=src, group=group)
+    return buf.to(device)
+
+
+def object_from_last_stage(obj):
+    """A picklable object of the last pipeline stage on every stage (PP = 1: ``obj``)."""
+    group = pipeline_group()
+    if group_size(group) == 1:
+        return obj
+    src, _ = _last_stage_source()
+    box = [obj]
+    dist.broadcast_object_list(box, src=src, group=group)
+    return box[0]

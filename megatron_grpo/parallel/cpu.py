@@ -11,8 +11,15 @@ no-op when CUDA is available. The spots (see ../shared/ENVIRONMENT.md):
 - ``custom_fwd/custom_bwd(device_type="cuda")`` around the TP linear autograd
   functions -> rewrapped for ``device_type="cpu"`` so bf16/fp16 autocast backward works;
 - MoE router's module-level ``te_general_gemm`` missing without TE -> set to None;
-- ``device="cuda"`` tensor factories in the pipeline schedules -> that module sees a
-  ``torch`` whose factories map ``"cuda"`` to ``"cpu"``.
+- ``device="cuda"`` tensor factories in the pipeline schedules, Megatron's optimizers, grad
+  clipping, grad scalers and ``core/utils`` (the local multi-tensor L2 norm) -> those modules see
+  a ``torch`` whose factories map ``"cuda"`` to ``"cpu"``;
+- ``param.type() == 'torch.cuda.FloatTensor'``-style checks in the optimizers and grad clipping
+  -> ``Tensor.type()`` answers with the CUDA type name when (and only when) the caller is one of
+  Megatron's optimizer modules;
+- ``DynamicGradScaler.load_state_dict`` moving the scale with ``.cuda()`` -> kept on CPU;
+- ``Tensor.cuda()`` called from Megatron-Core (``language_module``'s ``weight.data.cuda()`` for
+  tied embeddings under PP, the distributed optimizer's state gathers) -> the tensor itself.
 """
 
 from __future__ import annotations
@@ -91,9 +98,15 @@ def _patch_megatron() -> None:
     fused_softmax.get_default_causal_mask = _cpu_causal_mask
     transformer_utils.get_default_causal_mask = _cpu_causal_mask
     _rewrap_autocast(layers)
+    from megatron.core import utils as core_utils
+    from megatron.core.optimizer import clip_grads, distrib_optimizer, grad_scaler, optimizer
     from megatron.core.pipeline_parallel import schedules
 
-    schedules.torch = _CPUTorch()
+    for module in (schedules, optimizer, clip_grads, grad_scaler, distrib_optimizer, core_utils):
+        module.torch = _CPUTorch()
+    _patch_type_names()
+    _patch_tensor_cuda()
+    grad_scaler.DynamicGradScaler.load_state_dict = _scaler_load_state_dict
     random._CUDA_RNG_STATE_TRACKER = _TRACKER
     random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
     _patch_router()
@@ -117,6 +130,53 @@ def _on_cpu(factory, *args, **kwargs):
     if str(kwargs.get("device", "cpu")).startswith("cuda"):
         kwargs["device"] = "cpu"
     return factory(*args, **kwargs)
+
+
+_CUDA_TYPE_CALLERS = ("megatron.core.optimizer.",)
+
+
+def _patch_type_names() -> None:
+    """``Tensor.type()`` (no argument) answers ``torch.cuda.FloatTensor`` for a CPU float tensor
+    when called from Megatron's optimizer package, whose type-name checks assume CUDA."""
+    import sys
+
+    original = torch.Tensor.type
+    if getattr(original, "_megatron_grpo", False):
+        return
+
+    def type_(self, *args, **kwargs):
+        name = original(self, *args, **kwargs)
+        if args or kwargs or not isinstance(name, str) or name.startswith("torch.cuda."):
+            return name
+        caller = sys._getframe(1).f_globals.get("__name__", "")
+        return "torch.cuda." + name[len("torch."):] if caller.startswith(_CUDA_TYPE_CALLERS) else name
+
+    type_._megatron_grpo = True
+    torch.Tensor.type = type_
+
+
+def _patch_tensor_cuda() -> None:
+    """``Tensor.cuda()`` from a ``megatron.core`` module returns the (CPU) tensor itself."""
+    import sys
+
+    original = torch.Tensor.cuda
+    if getattr(original, "_megatron_grpo", False):
+        return
+
+    def cuda(self, *args, **kwargs):
+        if sys._getframe(1).f_globals.get("__name__", "").startswith("megatron.core."):
+            return self
+        return original(self, *args, **kwargs)
+
+    cuda._megatron_grpo = True
+    torch.Tensor.cuda = cuda
+
+
+def _scaler_load_state_dict(self, state_dict) -> None:
+    """``DynamicGradScaler.load_state_dict`` without its ``.cuda()``."""
+    self._scale = state_dict["scale"].to("cpu")
+    self._growth_tracker = state_dict["growth_tracker"]
+    self._hysteresis_tracker = state_dict["hysteresis_tracker"]
 
 
 @functools.lru_cache(maxsize=32)

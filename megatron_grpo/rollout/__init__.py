@@ -6,5 +6,6 @@ from megatron_grpo.rollout.types import Rollout, RolloutEngine, Rollouts, Sampli
 ROLLOUT_ENGINES = Registry("rollout engine")
 ROLLOUT_ENGINES.add("vllm", "megatron_grpo.rollout.vllm_engine:VLLMEngine")
 ROLLOUT_ENGINES.add("vllm_server", "megatron_grpo.rollout.vllm_server:VLLMServerEngine")
+ROLLOUT_ENGINES.add("megatron", "megatron_grpo.rollout.megatron_engine:MegatronEngine")
 
 __all__ = ["ROLLOUT_ENGINES", "Rollout", "RolloutEngine", "Rollouts", "Sampling"]

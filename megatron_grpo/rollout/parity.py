@@ -86,15 +86,22 @@ def limits(tolerance: float, max_tolerance: float, baseline: Optional[Dict[str, 
 def check_parity(engine, probe: ProbeBatch, trainer_scores: Callable[[ProbeBatch], List[List[float]]],
                  pushed_names: Sequence[str], tolerance: float, version: int, *, max_tolerance: float = math.inf,
                  baseline: Optional[Dict[str, float]] = None, growth: float = DEFAULT_GROWTH) -> Dict[str, float]:
-    """Scores ``probe`` with the engine and the trainer; raises ``ParityError`` when the mean or the
-    max |diff| exceeds its limit (``limits``). Returns the diffs and, with a baseline, their ratio
-    to it (``sync/logprob_diff_vs_baseline``)."""
+    """Scores ``probe`` with every engine replica (``score_replicas``: each engine of a pool) and,
+    once, the trainer; raises ``ParityError`` naming the first replica whose mean or max |diff|
+    exceeds its limit (``limits``). Returns the worst replica's diffs and, with a baseline, their
+    ratio to it (``sync/logprob_diff_vs_baseline``)."""
     ours = trainer_scores(probe)
-    theirs = engine.score(probe.sequences, probe.prompt_lens)
-    metrics = compare(theirs, ours)
+    replicas = getattr(engine, "score_replicas", None)
+    scored = replicas(probe.sequences, probe.prompt_lens) if replicas else [
+        (None, engine.score(probe.sequences, probe.prompt_lens))]
     mean_limit, max_limit = limits(tolerance, max_tolerance, baseline, growth)
-    if metrics["sync/logprob_abs_diff_mean"] > mean_limit or metrics["sync/logprob_abs_diff_max"] > max_limit:
-        raise ParityError(parity_message(metrics, (mean_limit, max_limit), pushed_names, version, baseline))
+    metrics = {}
+    for name, theirs in scored:
+        diffs = compare(theirs, ours)
+        if diffs["sync/logprob_abs_diff_mean"] > mean_limit or diffs["sync/logprob_abs_diff_max"] > max_limit:
+            message = parity_message(diffs, (mean_limit, max_limit), pushed_names, version, baseline)
+            raise ParityError(message if name is None or len(scored) == 1 else f"{name}: {message}")
+        metrics = {k: max(v, metrics.get(k, v)) for k, v in diffs.items()}
     if baseline is not None:
         base = baseline["sync/logprob_abs_diff_mean"]
         metrics["sync/logprob_diff_vs_baseline"] = metrics["sync/logprob_abs_diff_mean"] / base if base > 0 else math.nan

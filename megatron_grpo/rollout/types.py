@@ -56,6 +56,9 @@ class RolloutEngine:
 
     dtype: torch.dtype
     policy_version: int = 0
+    shares_trainer_weights: bool = False
+    """True for an engine that generates with the trainer's own (sharded) model (``megatron``): it
+    lives on every rank, every rank calls it with the same inputs, and no weights are pushed to it."""
 
     def generate(self, prompt_token_ids: Sequence[Sequence[int]], n: int, sampling: Sampling) -> Rollouts:
         """``n`` completions per prompt with per-token log-probs."""
@@ -64,6 +67,12 @@ class RolloutEngine:
     def score(self, sequences: Sequence[Sequence[int]], prompt_lens: Sequence[int]) -> List[List[float]]:
         """Log-probs of ``sequences[i][prompt_lens[i]:]`` given their prefixes (temperature 1)."""
         raise NotImplementedError
+
+    def score_replicas(self, sequences: Sequence[Sequence[int]],
+                       prompt_lens: Sequence[int]) -> List[Tuple[Optional[str], List[List[float]]]]:
+        """(name, scores) of every replica holding the weights (a pool: each engine; the parity probe
+        checks each); a single engine is its only replica (name None)."""
+        return [(None, self.score(sequences, prompt_lens))]
 
     def update_weights(self, named_tensors: Iterable[Tuple[str, torch.Tensor]], version: int) -> List[str]:
         """Loads HF-named tensors (streamed) into the generator; returns the names loaded."""

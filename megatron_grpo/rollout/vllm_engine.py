@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import queue as queue_module
 import time
-from typing import Iterable, List, Sequence, Tuple
+from typing import Iterable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.multiprocessing as mp
@@ -35,7 +35,12 @@ class VLLMEngine(RolloutEngine):
     def __init__(self, model_dir: str, dtype: torch.dtype, *, max_model_len: int = 512, seed: int = 0,
                  gpu_memory_utilization: float = 0.5, kv_cache_gib: int = 1, start_timeout_s: float = 600.0,
                  request_timeout_s: float = 600.0, is_moe: bool = False,
-                 return_routed_experts: bool = False):
+                 return_routed_experts: bool = False, tensor_parallel_size: int = 1,
+                 cpu_bind: Optional[str] = None, devices: Optional[List[int]] = None, sleep_mode: bool = False):
+        """``cpu_bind``: vLLM's ``VLLM_CPU_OMP_THREADS_BIND`` for this engine (one core list per TP
+        worker, ``|``-separated; None = vLLM's automatic binding, which refuses TP > 1 on one NUMA
+        node); ``devices``: the GPUs it runs on (None = inherited); ``sleep_mode``: GPU only,
+        enables ``sleep``/``wake_up``."""
         if dtype not in DTYPE_NAMES:
             raise ValueError(f"generation dtype must be one of {list(DTYPE_NAMES.values())}, got {dtype}")
         self.dtype = dtype
@@ -43,7 +48,8 @@ class VLLMEngine(RolloutEngine):
         self.request_timeout_s = request_timeout_s
         self.options = dict(model=model_dir, dtype=DTYPE_NAMES[dtype], max_model_len=max_model_len, seed=seed,
                             gpu_memory_utilization=gpu_memory_utilization, kv_cache_gib=kv_cache_gib,
-                            return_routed_experts=return_routed_experts)
+                            return_routed_experts=return_routed_experts, tensor_parallel_size=tensor_parallel_size,
+                            cpu_bind=cpu_bind, devices=devices, sleep_mode=sleep_mode)
         self._start(start_timeout_s)
 
     def _start(self, timeout_s: float) -> None:
@@ -51,8 +57,10 @@ class VLLMEngine(RolloutEngine):
 
         ctx = mp.get_context("spawn")
         self._requests, self._responses = ctx.Queue(), ctx.Queue()
+        # TP > 1: vLLM spawns its workers from this process, which a daemonic process may not do (it still
+        # dies with the trainer: ``vllm_worker._die_with_parent``)
         self._proc = ctx.Process(target=vllm_worker.serve, args=(self.options, self._requests, self._responses),
-                                 daemon=True, name="megatron-grpo-vllm")
+                                 daemon=self.options["tensor_parallel_size"] == 1, name="megatron-grpo-vllm")
         self._next_id, self._received = 1, {}
         started = time.monotonic()
         self._proc.start()
@@ -114,18 +122,36 @@ class VLLMEngine(RolloutEngine):
         return self._call("score", dict(sequences=[list(s) for s in sequences], prompt_lens=list(prompt_lens)))
 
     def update_weights(self, buckets: Iterable[List[Tuple[str, torch.Tensor]]], version: int) -> List[str]:
-        """Streams ``buckets`` (lists of (HF name, tensor in the generator dtype)) into vLLM."""
-        if not self._proc.is_alive():
-            raise GeneratorError(f"vLLM generator process is not running (exit code {self._proc.exitcode})")
-        request_id = self._submit("load", dict(is_moe=self.is_moe))
-        try:
-            for bucket in buckets:
-                self._requests.put([(name, t.share_memory_()) for name, t in bucket])
-        finally:
-            self._requests.put(None)
-        loaded = self._wait(request_id, "load", self.request_timeout_s)
+        """Streams ``buckets`` (lists of (HF name, tensor in the generator dtype)) into vLLM, each
+        bucket as one file under /dev/shm (``fanout.fan_out``, here with a single reader)."""
+        from megatron_grpo.rollout.fanout import fan_out
+
+        return fan_out(buckets, [self], version)
+
+    # ---- the file-push seam (``fanout.fan_out``): begin, one path per bucket, end --------------------------
+
+    def begin_weight_push(self) -> None:
+        self._load_request = self._submit("load", dict(is_moe=self.is_moe))
+
+    def push_file(self, path: str) -> None:
+        """Hands one bucket file to the generator, which unlinks it once read (returns at once)."""
+        self._requests.put(path)
+
+    def end_weight_push(self, version: int) -> None:
+        self._requests.put(None)
+        self._wait(self._load_request, "load", self.request_timeout_s)
         self.policy_version = version
-        return loaded
+
+    def sleep(self, level: int = 1) -> None:
+        """vLLM sleep mode (GPU; built with ``sleep_mode``): level 1 offloads the weights, frees the KV cache."""
+        self._call("sleep", level)
+
+    def wake_up(self) -> None:
+        self._call("wake_up", None)
+
+    def describe(self) -> str:
+        pid = self._proc.pid if getattr(self, "_proc", None) is not None else None
+        return f"vllm pid {pid}"
 
     def alive(self) -> bool:
         return self._proc.is_alive()

@@ -55,8 +55,11 @@ class VLLMServerEngine(RolloutEngine):
     def __init__(self, model_dir: str, dtype: torch.dtype, *, url: Optional[str] = None, max_model_len: int = 512,
                  seed: int = 0, kv_cache_gib: int = 1, gpu_memory_utilization: float = 0.5,
                  start_timeout_s: float = 600.0, request_timeout_s: float = 600.0, retry_timeout_s: float = 60.0,
-                 is_moe: bool = False, log_path: Optional[str] = None):
+                 is_moe: bool = False, log_path: Optional[str] = None, tensor_parallel_size: int = 1,
+                 cpu_bind: Optional[str] = None, devices: Optional[List[int]] = None, sleep_mode: bool = False):
         self.dtype, self.model_dir, self.is_moe = dtype, model_dir, is_moe
+        self.tensor_parallel_size, self.cpu_bind, self.devices, self.sleep_mode = (tensor_parallel_size, cpu_bind,
+                                                                                   devices, sleep_mode)
         self.request_timeout_s, self.retry_timeout_s = request_timeout_s, retry_timeout_s
         self._proc = None
         if url is None:
@@ -71,12 +74,18 @@ class VLLMServerEngine(RolloutEngine):
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model_dir,
                "--dtype", DTYPE_NAMES[self.dtype], "--host", "127.0.0.1", "--port", str(port), "--enforce-eager",
                "--max-model-len", str(max_model_len), "--logprobs-mode", "processed_logprobs", "--seed", str(seed),
-               "--distributed-executor-backend", "uni", "--gpu-memory-utilization", str(gpu_memory_utilization),
+               "--tensor-parallel-size", str(self.tensor_parallel_size), "--distributed-executor-backend",
+               "uni" if self.tensor_parallel_size == 1 else "mp", "--gpu-memory-utilization", str(gpu_memory_utilization),
                "--worker-extension-cls", "megatron_grpo.rollout.server_ext.WeightLoaderExtension"]
+        cmd += ["--enable-sleep-mode"] if self.sleep_mode else []
         env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
                                                                  "MASTER_PORT", "LOCAL_WORLD_SIZE")}
         env.update(VLLM_SERVER_DEV_MODE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0",
                    VLLM_CPU_KVCACHE_SPACE=str(max(1, int(kv_cache_gib))))
+        if self.cpu_bind:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = self.cpu_bind
+        if self.devices:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in self.devices)
         self._own_log = log_path is None  # a temporary log (engine used on its own) is removed on close
         if log_path is None:
             fd, log_path = tempfile.mkstemp(prefix="megatron-grpo-vllm-server-", suffix=".log")
@@ -172,23 +181,41 @@ class VLLMServerEngine(RolloutEngine):
         return out
 
     def update_weights(self, buckets: Iterable[List[Tuple[str, torch.Tensor]]], version: int) -> List[str]:
-        from safetensors.torch import save_file
+        """Each bucket as a safetensors file under /dev/shm (``fanout.fan_out``, one reader)."""
+        from megatron_grpo.rollout.fanout import fan_out
 
-        folder = "/dev/shm" if os.path.isdir("/dev/shm") else None
-        loaded = []
-        for bucket in buckets:
-            fd, path = tempfile.mkstemp(prefix="megatron-grpo-bucket-", suffix=".safetensors", dir=folder)
-            os.close(fd)
+        return fan_out(buckets, [self], version)
+
+    # ---- the file-push seam (``fanout.fan_out``) -----------------------------------------------------------
+
+    def begin_weight_push(self) -> None:
+        pass
+
+    def push_file(self, path: str) -> None:
+        """The server's workers load ``path`` (``/collective_rpc``); unlinked once loaded."""
+        try:
+            self._post("/collective_rpc", dict(method="megatron_grpo_load", args=[path, "0"]))
+        finally:
             try:
-                save_file({name: t.contiguous() for name, t in bucket}, path)
-                self._post("/collective_rpc", dict(method="megatron_grpo_load",
-                                                    args=[path, "1" if self.is_moe else "0"]))
-            finally:
                 os.unlink(path)
-            loaded.extend(name for name, _ in bucket)
+            except FileNotFoundError:
+                pass
+
+    def end_weight_push(self, version: int) -> None:
+        if self.is_moe:
+            self._post("/collective_rpc", dict(method="megatron_grpo_repack_moe", args=[]))
         self._post("/reset_prefix_cache", {})
         self.policy_version = version
-        return loaded
+
+    def sleep(self, level: int = 1) -> None:
+        """vLLM sleep mode (GPU; launched with ``sleep_mode``, or a server started with --enable-sleep-mode)."""
+        self._post(f"/sleep?level={level}", {})
+
+    def wake_up(self) -> None:
+        self._post("/wake_up", {})
+
+    def describe(self) -> str:
+        return f"vllm_server {self.url}"
 
     def alive(self) -> bool:
         return self._proc is None or self._proc.poll() is None

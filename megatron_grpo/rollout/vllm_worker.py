@@ -3,8 +3,11 @@
 vLLM runs in its own process so that its distributed set-up never meets the trainer's
 process groups (an in-process ``vllm.LLM`` on rank 0 of a 2-rank gloo world hangs), and
 so that a crash of the generator is detected and recoverable. Commands come through a
-``torch.multiprocessing`` queue; weight buckets travel as shared-memory tensors and are
-streamed into ``reload_weights`` one bucket at a time.
+``torch.multiprocessing`` queue; weight buckets arrive as safetensors file paths (under
+/dev/shm, written once for every engine of the pool: ``fanout.py``) that the worker extension
+(``server_ext.WeightLoaderExtension``) reads into ``reload_weights``, one bucket at a time; the
+generator unlinks each once read. Files, not pickled tensors, because with
+``tensor_parallel_size`` > 1 the vLLM workers are processes of their own.
 """
 
 from __future__ import annotations
@@ -53,6 +56,10 @@ def serve(options: dict, requests, responses) -> None:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(options.get("kv_cache_gib", 1)))))
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    if options.get("cpu_bind"):  # this engine's share of the cores: "0|1" = TP worker 0 on core 0, 1 on 1
+        _bind_cores(options["cpu_bind"], int(options.get("tensor_parallel_size", 1)))
+    if options.get("devices"):  # GPU placement (the pool's); ignored without CUDA
+        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in options["devices"])
     from megatron_grpo import quiet
 
     quiet.install(verbose=quiet.is_verbose())
@@ -62,7 +69,8 @@ def serve(options: dict, requests, responses) -> None:
         responses.put((0, "error", traceback.format_exc()))
         return
     responses.put((0, "ok", "ready"))
-    handlers = {"generate": _generate, "score": _score, "load": _load, "ping": lambda llm, p, q: "pong"}
+    handlers = {"generate": _generate, "score": _score, "load": _load, "ping": lambda llm, p, q: "pong",
+                "sleep": lambda llm, p, q: llm.sleep(level=p), "wake_up": lambda llm, p, q: llm.wake_up()}
     while True:
         request_id, command, payload = requests.get()
         if command == "close":
@@ -74,19 +82,48 @@ def serve(options: dict, requests, responses) -> None:
             responses.put((request_id, "error", traceback.format_exc()))
 
 
+def _bind_cores(cpu_bind: str, tp: int) -> None:
+    """TP > 1: vLLM's multiprocess executor binds each TP worker to its list (``VLLM_CPU_OMP_THREADS_BIND``).
+    TP = 1 runs the model in this process (``uni`` executor), where vLLM binds nothing: pin this
+    process and size torch's thread pool to the list, so engines sharing a host do not fight over
+    the same cores (2 unpinned engines on 2 busy cores ran at 0.2-0.3x their pinned tokens/s)."""
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_bind
+    if tp > 1:
+        return
+    import torch
+
+    cpus = sorted({int(c) for part in cpu_bind.split(",") for c in _id_range(part)})
+    os.environ["OMP_NUM_THREADS"] = str(len(cpus))
+    try:
+        os.sched_setaffinity(0, cpus)
+    except (AttributeError, OSError):  # not Linux, or a core this process may not use
+        pass
+    torch.set_num_threads(len(cpus))
+
+
+def _id_range(part: str):
+    lo, _, hi = part.strip().partition("-")
+    return range(int(lo), int(hi or lo) + 1)
+
+
 def _build(options: dict):
     from vllm import LLM
 
     from megatron_grpo.quiet import is_verbose
 
     extra = {"enable_prefix_caching": True, "use_tqdm_on_load": is_verbose()}
+    tp = int(options.get("tensor_parallel_size", 1))
+    if options.get("sleep_mode"):
+        extra["enable_sleep_mode"] = True
     if options.get("return_routed_experts"):
         # vLLM returns routed experts through its AuxOutput connector, which needs Model Runner V2
         os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "1")
         extra["enable_return_routed_experts"] = True
         extra["enable_prefix_caching"] = False  # every position's routing comes from this request's forward
     return LLM(
-        model=options["model"], dtype=options["dtype"], enforce_eager=True, distributed_executor_backend="uni",
+        model=options["model"], dtype=options["dtype"], enforce_eager=True, tensor_parallel_size=tp,
+        distributed_executor_backend="uni" if tp == 1 else "mp",
+        worker_extension_cls="megatron_grpo.rollout.server_ext.WeightLoaderExtension",
         skip_tokenizer_init=True, logprobs_mode="processed_logprobs", seed=options.get("seed", 0),
         max_model_len=options["max_model_len"], gpu_memory_utilization=options.get("gpu_memory_utilization", 0.5),
         **extra,
@@ -133,28 +170,30 @@ def _score(llm, payload, requests):
 
 
 def _load(llm, payload, requests):
-    """Streams buckets from the queue into ``reload_weights``; returns the names loaded."""
-    loaded, done = [], [False]
-
-    def stream():
-        while True:
-            bucket = requests.get()
-            if bucket is None:
-                done[0] = True
-                return
-            for name, tensor in bucket:
-                loaded.append(name)
-                yield name, tensor
-
-    try:
-        llm.collective_rpc("reload_weights", kwargs={"weights_iterator": stream()})
-    finally:
-        while not done[0]:  # drain the rest of the push so the command stream stays in sync
-            done[0] = requests.get() is None
+    """Loads the bucket files whose paths follow on the queue (until None), unlinking each once
+    read; returns the number of tensors loaded. After a failure the rest of the push is drained
+    (and unlinked) so the command stream stays in sync, then the failure is raised."""
+    num_loaded, failure = 0, None
+    while True:
+        path = requests.get()
+        if path is None:
+            break
+        try:
+            if failure is None:
+                num_loaded += llm.collective_rpc("megatron_grpo_load", args=(path, "0"))[0]
+        except BaseException:  # noqa: BLE001
+            failure = traceback.format_exc()
+        finally:
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+    if failure is not None:
+        raise RuntimeError(failure)
     if payload.get("is_moe"):
-        llm.collective_rpc(_repack_moe)
+        llm.collective_rpc("megatron_grpo_repack_moe")
     llm.reset_prefix_cache()  # KV computed with the old weights must not be reused
-    return loaded
+    return num_loaded
 
 
 def _repack_moe(worker) -> None:

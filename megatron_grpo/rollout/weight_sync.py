@@ -90,7 +90,8 @@ def push_weights(model, shape, engine, version: int, *, dtype: torch.dtype, buck
             if isinstance(exc, GeneratorError) and not getattr(engine, "alive", lambda: True)():
                 raise  # a crash, not a refusal: the trainer restarts the generator and pushes again
             last = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
-            raise ParityError(f"weight push of version {version} was refused by the generator ({last}); pushed "
+            who = getattr(exc, "engine_name", None) or "the generator"  # a pool names the engine
+            raise ParityError(f"weight push of version {version} was refused by {who} ({last}); pushed "
                               f"tensors: {', '.join(report.names[:12])}{' ...' if len(report.names) > 12 else ''}. "
                               f"The generator must be restarted.") from exc
     report.seconds = time.perf_counter() - started

@@ -1,0 +1,167 @@
+"""One gather, fan-out push: each weight bucket is published once and every engine reads it.
+
+The trainer gathers a bucket (``weight_sync.hf_buckets``, collective over TP/EP) exactly once,
+whatever the number of engines. A ``Fanout`` turns that bucket into something every engine can
+load concurrently:
+
+- ``SharedFileFanout`` (CPU, one host; what runs today): one safetensors file under /dev/shm,
+  hard-linked once per engine. Each engine's worker reads its link and unlinks it, so the bytes
+  are freed when the last engine has read them: one write, N concurrent reads. At most
+  ``max_in_flight`` buckets are unread at a time (memory stays ~2 buckets, not the model).
+- CUDA IPC (colocated engines on the trainer's GPU; not implemented): ``publish`` would return
+  one IPC handle of the gathered bucket's device buffer per engine (``torch.multiprocessing``
+  reductions), the engines' worker extension would rebuild the tensors from the handle and
+  copy them in; no host copy at all. Same ``publish``/``wait_for_room``/``abandon`` seam.
+- NCCL broadcast (dedicated engines on other GPUs or nodes; not implemented): a process group
+  of trainer rank 0 plus every engine's TP workers, made once at start; ``publish`` would
+  broadcast the bucket's flat buffer (plus its names and shapes, sent ahead) and each engine's
+  worker extension would receive and load it: one send, N receives, on the wire.
+
+``fan_out`` drives any of them: one thread per engine feeds that engine's bucket handles in
+order, so a slow engine never stalls the gather, and a dead engine is dropped from the push
+(and its unread buckets freed) while the others finish theirs.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, Iterable, List, Sequence, Tuple
+
+import torch
+
+
+Bucket = List[Tuple[str, torch.Tensor]]
+
+class SharedFileFanout:
+    """Publishes each bucket once as a file under ``folder`` (default /dev/shm), linked once per reader.
+
+    A reader (an engine) owns its link: it unlinks it once read. ``wait_for_room`` bounds how many
+    published buckets may still be unread; ``abandon`` removes a dead reader's links.
+    """
+
+    def __init__(self, num_readers: int, folder: str = None, max_in_flight: int = 2, poll_s: float = 0.002):
+        self.num_readers, self.max_in_flight, self.poll_s = num_readers, max_in_flight, poll_s
+        self.folder = folder or ("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
+        self._published: List[List[str]] = []
+        self._count = 0
+        self.bytes_written = 0
+
+    def publish(self, bucket: Bucket) -> List[str]:
+        """Writes ``bucket`` once; returns one path per reader (hard links of that file)."""
+        fd, base = tempfile.mkstemp(prefix="megatron-grpo-bucket-", suffix=".safetensors", dir=self.folder)
+        os.close(fd)
+        try:
+            from safetensors.torch import save_file
+
+            save_file({name: t.detach().contiguous() for name, t in bucket}, base)  # one copy (as fast as a
+            self.bytes_written += sum(t.numel() * t.element_size() for _, t in bucket)  # hand-made writer)
+            links = [base] + [f"{base}.{r}" for r in range(1, self.num_readers)]
+            for link in links[1:]:
+                os.link(base, link)
+        except BaseException:
+            _unlink(base)
+            raise
+        self._published.append(links)
+        self._count += 1
+        return links
+
+    def unread(self) -> int:
+        """Published buckets some reader has not read yet."""
+        self._published = [links for links in self._published if any(os.path.exists(p) for p in links)]
+        return len(self._published)
+
+    def wait_for_room(self, reading: Callable[[int], bool]) -> None:
+        """Blocks while ``max_in_flight`` buckets are unread; ``reading(r)`` False drops reader r's links."""
+        while self.unread() >= self.max_in_flight:
+            for r in range(self.num_readers):
+                if not reading(r):
+                    self.abandon(r)
+            time.sleep(self.poll_s)
+
+    def abandon(self, reader: int) -> None:
+        """Removes reader ``reader``'s links (it died, or stopped reading after an error)."""
+        for links in self._published:
+            _unlink(links[reader])
+
+    def close(self) -> None:
+        """Removes whatever is left (after an error)."""
+        for links in self._published:
+            for path in links:
+                _unlink(path)
+        self._published = []
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def fan_out(buckets: Iterable[Bucket], engines: Sequence, version: int, *, names: Callable[[int], str] = None,
+            max_in_flight: int = 2) -> List[str]:
+    """Pushes ``buckets`` to every engine of ``engines`` at once; returns the names pushed.
+
+    Each engine implements the file-push seam: ``begin_weight_push()``, ``push_file(path)`` (takes
+    ownership of ``path`` and unlinks it once read), ``end_weight_push(version)``. The buckets are
+    consumed completely even when an engine fails (the gathers behind them are collective). The
+    first engine error is re-raised after every engine has finished, with ``engine_index`` set.
+    """
+    fanout = SharedFileFanout(len(engines), max_in_flight=max_in_flight)
+    feeds = [queue.Queue() for _ in engines]
+    errors: List[BaseException] = [None] * len(engines)
+    done = [threading.Event() for _ in engines]
+    pushed: List[str] = []
+
+    def feed(r: int) -> None:
+        engine, paths = engines[r], iter(feeds[r].get, None)
+        try:
+            engine.begin_weight_push()
+            for path in paths:
+                engine.push_file(path)
+            engine.end_weight_push(version)
+        except BaseException as exc:  # noqa: BLE001 - reported after the push
+            errors[r] = exc
+            for path in paths:  # the rest of this engine's buckets are never read
+                _unlink(path)
+        finally:
+            done[r].set()
+
+    with ThreadPoolExecutor(max_workers=len(engines), thread_name_prefix="weight-push") as pool:
+        futures = [pool.submit(feed, r) for r in range(len(engines))]
+        try:
+            for bucket in buckets:
+                pushed.extend(name for name, _ in bucket)
+                fanout.wait_for_room(lambda r: not done[r].is_set() and _alive(engines[r]))
+                live = [r for r in range(len(engines)) if not done[r].is_set()]
+                if not live:
+                    continue  # every engine failed: keep gathering (collective), publish nothing
+                for r, path in enumerate(fanout.publish(bucket)):
+                    if r in live:
+                        feeds[r].put(path)
+                    else:
+                        _unlink(path)
+        finally:
+            for f in feeds:
+                f.put(None)
+            for fut in futures:
+                fut.result()
+            fanout.close()
+    for r, exc in enumerate(errors):
+        if exc is not None:
+            exc.engine_index = r
+            if names is not None:
+                exc.engine_name = names(r)
+                exc.args = (f"{names(r)}: {exc}",) + tuple(exc.args[1:])
+            raise exc
+    return pushed
+
+
+def _alive(engine) -> bool:
+    alive = getattr(engine, "alive", None)
+    return alive() if alive is not None else True

@@ -1,0 +1,162 @@
+"""``generation.backend: megatron``: the trainer's own model generates (rollout/megatron_engine.py)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from megatron_grpo.rollout import Sampling
+from tests._dist import run_distributed
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RECIPE = os.path.join(ROOT, "recipes", "grpo-tiny-eos-megatron-cpu.yaml")
+PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16, 17], [18, 19, 20, 21]]
+"""Three prompt lengths: rows are batched by prompt length."""
+
+
+def _engine(model_dir, model, dtype=torch.float32):
+    from megatron_grpo.rollout.megatron_engine import MegatronEngine
+
+    return MegatronEngine(model_dir, dtype, model=model, max_model_len=128)
+
+
+def _trainer_logprobs(model, rollouts, temperature, dtype=torch.float32):
+    from megatron_grpo.forward import completion_scores, forward_log_probs, pack
+
+    packed = pack([r.prompt_ids + r.completion_ids for r in rollouts], [len(r.prompt_ids) for r in rollouts])
+    lp = forward_log_probs(model, packed, compute_dtype=dtype, params_dtype=torch.float32, temperature=temperature)
+    return completion_scores(lp, packed)
+
+
+@pytest.fixture(scope="module")
+def dense(tiny_dense, megatron_single):
+    """The tiny model, with one torch thread for this module (restored after): its decode loop is
+    hundreds of tiny GEMMs, which two threads contending for 2 shared cores make ~30x slower."""
+    from megatron_grpo.models import build_from_hf
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    model, _ = build_from_hf(tiny_dense, backend="local")
+    yield tiny_dense, model
+    torch.set_num_threads(threads)
+
+
+def test_fp32_logprobs_equal_the_trainers_and_stops_are_honoured(dense):
+    model_dir, model = dense
+    engine = _engine(model_dir, model)
+    sampling = Sampling(max_tokens=12, temperature=0.7, seed=11)
+    rollouts = engine.generate(PROMPTS, 4, sampling)
+    assert [r.prompt_index for r in rollouts] == [p for p in range(4) for _ in range(4)]
+    for r in rollouts:  # the model's EOS stops a completion (a random-init model rarely samples it)
+        assert len(r.completion_ids) == len(r.logprobs) and r.policy_version == 0
+        at_eos = r.completion_ids[-1] in engine.eos_ids
+        assert r.finish_reason == ("stop" if at_eos else "length") and (at_eos or len(r.completion_ids) == 12)
+    assert len({tuple(r.completion_ids) for r in rollouts.items[:4]}) == 4  # n distinct samples
+    ref = _trainer_logprobs(model, rollouts, 0.7)
+    assert max(abs(a - b) for r, row in zip(rollouts, ref) for a, b in zip(r.logprobs, row)) <= 1e-6
+    assert engine.decode_gap_max <= 2e-6  # the KV-cached logits sampled from: fp32 round-off only
+    assert model.training  # generation switched to eval mode and back
+    # a stop token ends a completion right after its first occurrence, the rest of the row unchanged
+    row = rollouts.items[5]
+    stop = row.completion_ids[3]
+    stopped = engine.generate(PROMPTS, 4, Sampling(max_tokens=12, temperature=0.7, seed=11, stop_token_ids=(stop,)))
+    cut = stopped.items[5]
+    assert cut.finish_reason == "stop"
+    assert cut.completion_ids == row.completion_ids[: row.completion_ids.index(stop) + 1]
+    assert all((r.finish_reason == "stop") == (r.completion_ids[-1] in {stop} | engine.eos_ids) for r in stopped)
+
+
+def test_same_seeds_same_completions_whatever_the_batch(dense):
+    model_dir, model = dense
+    engine = _engine(model_dir, model)
+    batch = engine.generate(PROMPTS, 3, Sampling(max_tokens=10, temperature=1.0, seed=100))
+    for p in (0, 2):  # completion i of prompt p uses seed + p * n + i
+        alone = engine.generate([PROMPTS[p]], 3, Sampling(max_tokens=10, temperature=1.0, seed=100 + p * 3))
+        same = batch.items[3 * p: 3 * p + 3]
+        assert [r.completion_ids for r in alone] == [r.completion_ids for r in same]
+        assert [r.logprobs for r in alone] == [r.logprobs for r in same]
+    pair = engine.generate(PROMPTS[1:3], 3, Sampling(max_tokens=10, temperature=1.0, seed=103))
+    assert [r.completion_ids for r in pair] == [r.completion_ids for r in batch.items[3:9]]
+
+
+def test_score_versions_and_async_handles(dense):
+    model_dir, model = dense
+    engine = _engine(model_dir, model)
+    assert engine.shares_trainer_weights
+    assert engine.update_weights((), 3) == [] and engine.policy_version == 3
+    handle = engine.submit_generate(PROMPTS[:2], 2, Sampling(max_tokens=6, seed=1))
+    engine.update_weights((), 4)  # generated at submit time, with the weights of version 3
+    rollouts = engine.collect(handle)
+    assert {r.policy_version for r in rollouts} == {3}
+    seqs = [r.prompt_ids + r.completion_ids for r in rollouts]
+    scores = engine.score(seqs, [len(r.prompt_ids) for r in rollouts])
+    assert scores == _trainer_logprobs(model, rollouts, 1.0)
+    assert scores == [r.logprobs for r in rollouts]  # temperature 1: the same numbers
+    with pytest.raises(ValueError, match="top_p"):
+        engine.generate(PROMPTS, 1, Sampling(top_p=0.9))
+
+
+def test_recipe_config_and_memory_plan(tiny_dense):
+    from megatron_grpo.config import Config, from_dict
+    from megatron_grpo.models import load_hf_config, shape_from_hf
+    from megatron_grpo.plan import memory_plan
+    from megatron_grpo.recipe import load_recipe
+
+    cfg = load_recipe(RECIPE, [])
+    assert cfg.generation.backend == "megatron" and cfg.grpo.num_generations_per_prompt == 16  # the tiny recipe's
+    names = {t.name for t in memory_plan(cfg, shape_from_hf(load_hf_config(tiny_dense)), 1).terms}
+    assert "generator (colocated)" not in names  # no weights of its own
+    for bad in ({"num_engines": 2}, {"top_k": 5}):
+        with pytest.raises(ValueError, match="backend=megatron"):
+            from_dict(Config, {"generation": {"backend": "megatron", **bad}})
+
+
+def _rank_rollouts(model_dir, layouts):
+    """On each rank: for every (tp, dp) layout, the engine's rollouts for PROMPTS (same inputs everywhere)."""
+    from megatron_grpo.models import build_from_hf
+    from megatron_grpo.parallel import state
+
+    out = []
+    for tp in layouts:
+        state.initialize_model_parallel(state.Layout(world_size=2, tp=tp))
+        model, _ = build_from_hf(model_dir, backend="local")
+        rollouts = _engine(model_dir, model).generate(PROMPTS, 4, Sampling(max_tokens=12, temperature=0.7, seed=11))
+        out.append([(r.completion_ids, r.logprobs, r.finish_reason) for r in rollouts])
+    return out
+
+
+@pytest.mark.slow
+def test_tp2_and_dp2_ranks_match_the_single_process(dense):
+    model_dir, model = dense
+    ref = _engine(model_dir, model).generate(PROMPTS, 4, Sampling(max_tokens=12, temperature=0.7, seed=11))
+    ranks = run_distributed(_rank_rollouts, 2, model_dir, [2, 1])  # TP=2, then DP=2 (completions sharded)
+    for layout in range(2):
+        got = ranks[0][layout]
+        assert ranks[1][layout] == got  # every rank ends with the whole batch
+        assert [c for c, _, _ in got] == [r.completion_ids for r in ref]
+        assert [f for _, _, f in got] == [r.finish_reason for r in ref]
+        diff = max(abs(a - b) for (_, lp, _), r in zip(got, ref) for a, b in zip(lp, r.logprobs))
+        assert diff <= (1e-5 if layout == 0 else 0.0), diff  # TP changes GEMM round-off; DP does not
+
+
+def test_tiny_recipe_learns_with_megatron_backend(tmp_path, tiny_dense):
+    steps = 12  # ~2 s each on 2 shared cores; seeded, the mean length falls 15.9 -> 13.2 (first vs last 3)
+    cmd = [sys.executable, "-m", "megatron_grpo", "train", RECIPE, f"policy.model_name={tiny_dense}",
+           f"grpo.max_num_steps={steps}", f"logger.log_dir={tmp_path}", "logger.progress_bar=false",
+           "logger.tensorboard=false", "grpo.deployed_improvement=false"]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    env["OMP_NUM_THREADS"] = "1"  # 2 shared cores: one thread is faster than two contending ones
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    lengths = [r["completion/length_mean"] for r in rows]
+    assert sum(lengths[-3:]) / 3 < sum(lengths[:3]) / 3 - 1.5, lengths
+    # the generator's log-probs are the trainer's own: no precision gap, no parity gap, on-policy
+    for r in rows:
+        assert r["precision/beta_abs_mean"] == 0.0 and r["precision/beta_abs_max"] == 0.0
+        assert r["sync/logprob_abs_diff_max"] == 0.0 and r["policy/kl_rollout"] == 0.0
+        assert r["sync/push_s"] == 0.0 and r["rollout/policy_version_lag"] == 0.0

@@ -1,0 +1,73 @@
+"""Pipeline-parallel training (PP = 2 over gloo, Megatron's 1F1B schedule) equals PP = 1: the first
+step's loss, precision/* and clip/* metrics and grad norm, the updated weights (gathered from both
+stages to HF names), for untied and tied embeddings."""
+
+import pytest
+import torch
+
+from tests._dist import run_distributed
+
+ROWS, SEQ = 8, 24
+
+
+def _one_step(model_dir, pp):
+    """One TrainStep.run (bf16 shadow: beta != 0) on this rank's share of a fixed batch (PP = 2, or
+    PP = 1 x DP = 2 on the same 2 ranks); returns the metrics, the updated weights under HF names
+    (every stage exports) and the trainer's log-probs of the whole batch."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_grpo.loss import finalize
+    from megatron_grpo.metrics_logger import to_host
+    from megatron_grpo.models.qwen3 import load_hf_config, shape_from_hf
+    from megatron_grpo.models.weights import export_hf_tensors
+    from megatron_grpo.parallel import state
+    from tests.test_routing import _step_batch, _stepper
+
+    state.initialize_model_parallel(state.Layout(world_size=2, pp=pp))
+    st = _stepper(model_dir, "policy.precision.generation_dtype=bfloat16", "loss_fn.ratio_clip_min=0.001",
+                  "loss_fn.ratio_clip_max=0.001", "grpo.deployed_improvement=true")
+    st.tp_group, st.dp_group = ps.get_tensor_model_parallel_group(), ps.get_data_parallel_group()
+    gen = torch.Generator().manual_seed(3)
+    old = -7.0 + 0.01 * torch.randn(ROWS, SEQ, generator=gen)
+    dp, rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    rows = slice(rank * ROWS // dp, (rank + 1) * ROWS // dp)
+    stats, extra = st.run(_step_batch(old, torch.linspace(-1.0, 1.0, ROWS, dtype=torch.float64), rows=rows), 1)
+    metrics = finalize(*stats.reduce(st.dp_group))
+    metrics.update(extra)
+    shape = shape_from_hf(load_hf_config(st.cfg.policy.model_name))
+    weights = {k: v.clone() for k, v in export_hf_tensors(st.model, shape)}
+    lp = torch.cat(comm_gather(st.last_log_probs[0], ps.get_data_parallel_group()))
+    return to_host(metrics), weights, lp
+
+
+def comm_gather(tensor, group):
+    import torch.distributed as dist
+
+    parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, tensor, group=group)
+    return parts
+
+
+def _both_layouts(untied, tied):
+    return {name: {pp: _one_step(model_dir, pp) for pp in (1, 2)} for name, model_dir in
+            (("untied", untied), ("tied", tied))}
+
+
+@pytest.fixture(scope="module")
+def tied_dense(tmp_path_factory):
+    from megatron_grpo.models.tiny import make_tiny_model
+
+    return make_tiny_model(str(tmp_path_factory.mktemp("models") / "tied"), "qwen3", tie_word_embeddings=True)
+
+
+def test_pp2_step_equals_pp1(tiny_dense, tied_dense):
+    for results in run_distributed(_both_layouts, 2, tiny_dense, tied_dense):
+        for name, by_pp in results.items():
+            (ref, ref_w, ref_lp), (metrics, weights, lp) = by_pp[1], by_pp[2]
+            assert ref["precision/beta_abs_mean"] > 0 and ref["clip/region_fraction"] > 0, name
+            torch.testing.assert_close(lp, ref_lp, atol=1e-5, rtol=0, msg=name)
+            for key in [k for k in ref if k.startswith(("precision/", "clip/", "loss", "train/grad_norm"))]:
+                assert metrics[key] == pytest.approx(ref[key], abs=1e-5, rel=1e-5), (name, key)
+            assert sorted(weights) == sorted(ref_w)
+            for key, w in ref_w.items():
+                torch.testing.assert_close(weights[key], w, atol=1e-6, rtol=0, msg=f"{name} {key}")

@@ -1,0 +1,223 @@
+"""Engine pool (rollout/pool.py, rollout/fanout.py): sharding, seeds and versions, one fan-out push
+read by every engine, the parity probe on each engine, restarts of the dead engine only.
+
+vLLM engines are expensive (~20 s import + ~7 s start, ~1.7 GiB each): the vLLM checks share one
+module-scoped 2-engine pool, and one tiny CLI run (2 engines, async, one engine killed) runs
+first, before that pool exists. The other checks use fake engines and take milliseconds.
+"""
+
+import os
+
+import pytest
+import torch
+
+from megatron_grpo.rollout import Rollout, Rollouts, Sampling
+from megatron_grpo.rollout.pool import EnginePool, cpu_bindings, engine_placement, format_placement, shard_bounds
+
+
+# ---- fake engines: the pool's bookkeeping and the fan-out, without vLLM --------------------------------------
+
+
+class _FakeEngine:
+    """Generates ``seed`` as its only token; loads pushed files like the vLLM worker (read, then unlink)."""
+
+    def __init__(self, index, fail_on_file=None):
+        self.index, self.fail_on_file, self.policy_version, self.dtype = index, fail_on_file, 0, torch.float32
+        self.loaded, self.dead, self.slept = [], False, 0
+
+    def submit_generate(self, prompts, n, sampling):
+        return [(p, i, sampling.seed + p * n + i) for p in range(len(prompts)) for i in range(n)], list(prompts)
+
+    def collect(self, handle):
+        rows, prompts = handle
+        return Rollouts([Rollout(p, prompts[p], [seed], [0.0], "length", self.policy_version) for p, i, seed in rows])
+
+    def begin_weight_push(self):
+        self.files = 0
+
+    def push_file(self, path):
+        from safetensors.torch import load_file
+
+        self.files += 1
+        if self.files == self.fail_on_file:
+            self.dead = True
+            raise _generator_error(f"engine {self.index} died")
+        self.loaded += list(load_file(path))
+        os.unlink(path)
+
+    def end_weight_push(self, version):
+        self.policy_version = version
+
+    def alive(self):
+        return not self.dead
+
+    def sleep(self, level):
+        self.slept += 1
+
+    def wake_up(self):
+        self.slept -= 1
+
+    def close(self):
+        pass
+
+
+def _generator_error(message):
+    from megatron_grpo.rollout.vllm_engine import GeneratorError
+
+    return GeneratorError(message)
+
+
+def _buckets(num_buckets, consumed):
+    for b in range(num_buckets):
+        consumed.append(b)  # the gathers behind each bucket are collective: every bucket must be drawn
+        yield [(f"model.layers.{b}.w", torch.full((4,), float(b))), (f"model.layers.{b}.v", torch.ones(2))]
+
+
+def _bucket_files():
+    return {f for f in os.listdir("/dev/shm") if f.startswith("megatron-grpo-bucket-")}
+
+
+def test_shards_seeds_and_placement_do_not_depend_on_the_engine_count():
+    assert shard_bounds(5, 2) == [(0, 3), (3, 5)] and shard_bounds(1, 3) == [(0, 1), (1, 1), (1, 1)]
+    assert cpu_bindings(1, 1, [0, 1]) == [None]  # one engine: vLLM's own binding
+    assert cpu_bindings(2, 1, [0, 1]) == ["0", "1"] and cpu_bindings(1, 2, range(4)) == ["0,1|2,3"]
+    prompts, sampling = [[1], [2, 3], [4], [5], [6]], Sampling(seed=100)
+    one = EnginePool(lambda i: _FakeEngine(i), 1).generate(prompts, 3, sampling)
+    three = EnginePool(lambda i: _FakeEngine(i), 3).generate(prompts, 3, sampling)
+    assert [(r.prompt_index, r.prompt_ids, r.completion_ids) for r in three] == \
+           [(r.prompt_index, r.prompt_ids, r.completion_ids) for r in one]
+    assert [r.completion_ids[0] for r in three] == [100 + p * 3 + i for p in range(5) for i in range(3)]
+
+    from megatron_grpo.config import GenerationConfig
+
+    g = GenerationConfig(num_engines=2, tensor_parallel_size=2)
+    assert [(s.ranks, s.devices) for s in engine_placement(g, 4)] == [([0, 1], [0, 1]), ([2, 3], [2, 3])]
+    assert "engine 1: shares the devices of ranks 2,3" in format_placement(g, 4)
+    servers = GenerationConfig(backend="vllm_server", server_urls=["http://a:1", "http://b:2"], num_engines=2)
+    assert not servers.colocated and "engine 1: server http://b:2 (dedicated)" in format_placement(servers, 1)
+    for bad, key in [(dict(num_engines=0), "generation.num_engines"),
+                     (dict(backend="vllm_server", server_urls=["http://a:1"], num_engines=2), "generation.num_engines=1"),
+                     (dict(backend="vllm_server", server_url="http://a:1", colocated=True), "generation.colocated")]:
+        with pytest.raises(ValueError, match=key):
+            GenerationConfig(**bad)
+
+
+def test_fan_out_writes_once_reads_everywhere_and_restarts_only_the_dead_engine():
+    built = []
+    pool = EnginePool(lambda i: built.append(i) or _FakeEngine(i), 3)
+    before = _bucket_files()
+    consumed = []
+    names = pool.update_weights(_buckets(5, consumed), version=1)
+    assert consumed == list(range(5)) and len(names) == 10 and pool.versions() == [1, 1, 1]
+    assert all(sorted(e.loaded) == sorted(names) for e in pool.engines)
+    pool.engines[1].fail_on_file = 2  # dies on its second bucket file
+    consumed = []
+    with pytest.raises(Exception, match="engine 1 of 3: engine 1 died") as err:
+        pool.update_weights(_buckets(5, consumed), version=2)
+    assert err.value.engine_index == 1
+    assert consumed == list(range(5)) and pool.versions() == [2, 1, 2]  # the others finished their push
+    assert _bucket_files() == before  # the dead engine's unread files were removed
+    pool.restart_failed()
+    assert built == [0, 1, 2, 1] and pool.versions() == [2, 0, 2]  # only the dead engine was rebuilt
+    pool.update_weights(_buckets(2, []), version=2)
+    assert pool.engines[1].policy_version == 2 and len(pool.engines[0].loaded) == 20  # engine 0 was not pushed again
+    pool.sleep(), pool.wake_up()
+    assert all(e.slept == 0 for e in pool.engines)  # no-op unless sleep_between_steps (colocated on GPU)
+    sleepy = EnginePool(lambda i: _FakeEngine(i), 2, sleep_between_steps=True)
+    sleepy.sleep()
+    assert [e.slept for e in sleepy.engines] == [1, 1]
+    sleepy.wake_up()
+    assert [e.slept for e in sleepy.engines] == [0, 0]
+
+
+# ---- vLLM: one tiny training run, then a shared 2-engine pool -------------------------------------------------
+
+pytest_vllm = pytest.mark.vllm
+
+
+@pytest_vllm
+def test_two_engine_async_run_restarts_a_killed_engine_without_losing_a_step(tmp_path, tiny_dense, monkeypatch):
+    """max_staleness=1 with 2 engines; engine 1 is SIGKILLed before step 2's weight push: it alone is
+    restarted and pushed to (engine 0 keeps its weights), the probe checks both, and every step runs."""
+    from tests.test_train import run_cli
+
+    monkeypatch.setenv("MEGATRON_GRPO_FAULT_KILL_GENERATOR", "push:2")
+    code, out, rows = run_cli([f"policy.model_name={tiny_dense}", "grpo.max_num_steps=3", "generation.num_engines=2",
+                               "generation.max_staleness=1", "grpo.deployed_improvement=false",
+                               "grpo.num_prompts_per_step=2", "grpo.num_generations_per_prompt=4",
+                               "generation.max_new_tokens=8"], str(tmp_path))
+    assert code == 0, out[-4000:]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert out.count("restarting generator engine(s) 1 of 2") == 1
+    assert "pushing weights version 2 to engine(s) 1 only" in out
+    lags = [r["rollout/policy_version_lag"] for r in rows]
+    assert lags[:2] == [0, 1] and max(lags) <= 1 and all(r["rollout/dropped_stale"] == 0 for r in rows)
+    assert all(r["sync/logprob_abs_diff_mean"] < 1e-4 for r in rows)
+
+
+@pytest.fixture(scope="module")
+def pool(tiny_dense):
+    from megatron_grpo.rollout.vllm_engine import VLLMEngine
+
+    binds = cpu_bindings(2, 1, sorted(os.sched_getaffinity(0)))
+    engines = EnginePool(lambda i: VLLMEngine(tiny_dense, torch.float32, max_model_len=128, cpu_bind=binds[i]), 2)
+    yield engines
+    engines.close()
+
+
+def _hf_scores(model_dir, weights, probe):
+    import transformers
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    hf.load_state_dict(weights, strict=False)
+    out = []
+    with torch.no_grad():
+        for seq, start in zip(probe.sequences, probe.prompt_lens):
+            lp = torch.log_softmax(hf(torch.tensor([seq])).logits[0], -1)
+            out.append([lp[t - 1, seq[t]].item() for t in range(start, len(seq))])
+    return out
+
+
+@pytest_vllm
+def test_two_engines_give_exactly_the_rollouts_of_one(pool):
+    """fp32, same seeds: the 2-engine pool's rollouts are engine 0's alone (a 1-engine pool), in prompt
+    order, whether collected at once or with two generations in flight (the async path)."""
+    prompts = [[5, 6, 7, 8], [9, 10, 11], [12, 13], [14, 15, 16], [17]]
+    sampling = Sampling(max_tokens=12, temperature=0.8, seed=3)
+    first = pool.submit_generate(prompts, 3, sampling)
+    second = pool.submit_generate(prompts[::-1], 2, Sampling(max_tokens=8, seed=4))  # in flight together
+    two, other = pool.collect(first), pool.collect(second)
+    one = pool.engines[0].generate(prompts, 3, sampling)
+    assert [r.prompt_index for r in two] == [p for p in range(5) for _ in range(3)]
+    assert [(r.prompt_ids, r.completion_ids, r.logprobs) for r in two] == \
+           [(r.prompt_ids, r.completion_ids, r.logprobs) for r in one]
+    assert len({tuple(r.completion_ids) for r in two}) > 5 and len(other) == 10
+    assert pool.engines[0].generate(prompts[::-1], 2, Sampling(max_tokens=8, seed=4)).items[7].completion_ids == \
+           other.items[7].completion_ids  # engine 1's shard, reproduced by engine 0 alone
+    seqs = [r.prompt_ids + r.completion_ids for r in two.items[:4]]
+    assert pool.score(seqs, [len(r.prompt_ids) for r in two.items[:4]]) == \
+           pool.engines[0].score(seqs, [len(r.prompt_ids) for r in two.items[:4]])
+    assert all(r.policy_version == 0 for r in two) and pool.versions() == [0, 0]
+
+
+@pytest_vllm
+def test_one_push_reaches_both_engines_and_the_probe_names_a_stale_one(pool, tiny_dense):
+    from safetensors.torch import load_file
+
+    from megatron_grpo.rollout.fanout import fan_out
+    from megatron_grpo.rollout.parity import ParityError, ProbeBatch, check_parity
+
+    base = load_file(os.path.join(tiny_dense, "model.safetensors"))
+    items = list({k: v * 1.05 for k, v in base.items()}.items())
+    split = next(i for i, (k, _) in enumerate(items) if k.startswith("model.layers.2."))  # buckets end at layers
+    before = _bucket_files()
+    probe = ProbeBatch.sampled(pool, [[5, 6, 7], [8, 9], [10, 11, 12], [13]], 10, seed=11)
+    assert pool.update_weights([items[:split], items[split:]], version=1) == [k for k, _ in items]
+    assert pool.versions() == [1, 1] and _bucket_files() == before
+    hf = _hf_scores(tiny_dense, dict(items), probe)
+    metrics = check_parity(pool, probe, lambda _: hf, [k for k, _ in items], 1e-4, 1)
+    assert metrics["sync/logprob_abs_diff_max"] < 1e-4  # both engines follow the one push
+    newer = [(k, v * 1.1) for k, v in items]
+    fan_out([newer], [pool.engines[1]], version=2)  # engine 1 alone moves on
+    with pytest.raises(ParityError, match=r"^engine 1 of 2 \(vllm pid \d+\): weight push of version 2 failed"):
+        check_parity(pool, probe, lambda _: hf, [k for k, _ in items], 1e-4, 2)
