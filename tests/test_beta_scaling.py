@@ -43,7 +43,7 @@ def test_tool_writes_a_row_per_size_and_dtype(scaling_run):
     out, rows = scaling_run
     assert {(r["L"], r["d"], r["dtype"]) for r in rows} == {
         (L, d, t) for L in ("1", "2") for d in ("32", "64") for t in ("bfloat16", "float16")}
-    assert all(int(r["tokens"]) == 48 and float(r["beta_abs_mean"]) > 0 for r in rows)
+    assert all(int(r["tokens"]) == 48 and float(r["beta_abs_mean"]) > 0 and r["kind"] == "random-init" for r in rows)
     with open(os.path.join(out, "beta_scaling.md")) as f:
         table = f.read()
     assert sum(line.startswith("| qwen3-L") for line in table.splitlines()) == 8
@@ -62,3 +62,20 @@ def test_fp16_gap_is_smaller_than_bf16_and_the_fit_is_finite(scaling_run):
         assert gap["float16"] < gap["bfloat16"], (L, d, gap)  # 10 vs 7 mantissa bits
     for fit in fits_by_dtype(rows).values():
         assert all(math.isfinite(fit[k]) for k in ("a", "b", "c", "g")), fit
+
+
+def test_pretrained_and_random_init_are_told_apart_and_fitted_separately(tmp_path):
+    from beta_scaling import fits_by_dtype, model_kind
+
+    (tmp_path / "m" / "init").mkdir(parents=True)
+    (tmp_path / "m" / "MODEL_CARD.json").write_text("{}")  # tools/pretrain.py's output: X/ and its start X/init
+    (tmp_path / "plain").mkdir()
+    assert model_kind(str(tmp_path / "m")) == ("m", "pretrained")
+    assert model_kind(str(tmp_path / "m" / "init")) == ("m", "random-init")
+    assert model_kind(str(tmp_path / "plain")) == ("plain", "random-init")
+    rows = [dict(kind=k, dtype="bfloat16", L=L, d=d, beta_abs_mean=s * (L * d) ** g)
+            for k, s, g in (("pretrained", 1e-4, 0.5), ("random-init", 1e-5, 0.25)) for L in (2, 4) for d in (64, 128)]
+    fits = fits_by_dtype(rows)
+    assert set(fits) == {"bfloat16, pretrained", "bfloat16, random-init"}
+    assert fits["bfloat16, pretrained"]["g"] == pytest.approx(0.5) and fits["bfloat16, random-init"]["g"] == \
+        pytest.approx(0.25)

@@ -41,7 +41,8 @@ PREDICTED_EXPONENT = 0.5
 """The write-up: |beta| ~ sqrt(L * d) * sigma * 2^-8, i.e. a = b = 0.5."""
 WRITEUP_POINT = dict(model="Qwen3-0.6B (write-up)", L=28, d=1536, dtype="bfloat16", beta_abs_mean=0.076)
 """The write-up's single measured point (MECHANISM.md: FP32 trainer vs BF16 vLLM, hidden as it states)."""
-COLUMNS = ["model", "L", "d", "params", "dtype", "tokens", "beta_abs_mean", "beta_std", "beta_abs_max", "beta_mean",
+COLUMNS = ["model", "kind", "L", "d", "params", "dtype", "tokens", "beta_abs_mean", "beta_std", "beta_abs_max",
+           "beta_mean",
            "beta_abs_common", "n_common", "beta_abs_medium", "n_medium", "beta_abs_rare", "n_rare", "lp_mean",
            "lowp_score_s"]
 
@@ -66,6 +67,36 @@ def make_grid(root: str, depths: Sequence[int], widths: Sequence[int], seed: int
                 make_tiny_model(out, "qwen3", seed=seed, overrides=tiny_shape(L, d))
             dirs.append(out)
     return dirs
+
+
+def pretrain_grid(root: str, shapes: Sequence[str], steps: int, seed: int) -> List[str]:
+    """Pretrains one Qwen3 per ``LxD`` shape with ``tools/pretrain.py`` (stdlib corpus, ``steps`` steps; skipped when
+    ``root/qwen3-L{L}-d{D}/config.json`` exists) and returns its random-init (``init/``) and pretrained dirs."""
+    import subprocess
+
+    dirs = []
+    for spec in shapes:
+        L, d = (int(v) for v in spec.lower().split("x"))
+        shape, out = tiny_shape(L, d), os.path.join(root, f"qwen3-L{L}-d{d}")
+        if not os.path.isfile(os.path.join(out, "config.json")):
+            cmd = [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "pretrain.py"),
+                   "--out", out, "--steps", str(steps), "--seed", str(seed), "--layers", str(L), "--hidden", str(d),
+                   "--heads", str(shape["num_attention_heads"]), "--kv-heads", str(shape["num_key_value_heads"]),
+                   "--head-dim", str(shape["head_dim"]), "--ffn", str(shape["intermediate_size"]), "--log-every", "0"]
+            print("[beta_scaling] " + " ".join(cmd), flush=True)
+            subprocess.run(cmd, check=True)
+        dirs += [os.path.join(out, "init"), out]
+    return dirs
+
+
+def model_kind(model_dir: str) -> tuple:
+    """(name, kind): ``X/init`` (tools/pretrain.py's starting point) is X's random init, else as pretrained when
+    the dir has a MODEL_CARD.json, random-init otherwise."""
+    path = os.path.normpath(model_dir)
+    if os.path.basename(path) == "init" and os.path.isfile(os.path.join(os.path.dirname(path), "MODEL_CARD.json")):
+        return os.path.basename(os.path.dirname(path)), "random-init"
+    pretrained = os.path.isfile(os.path.join(path, "MODEL_CARD.json"))
+    return os.path.basename(path), "pretrained" if pretrained else "random-init"
 
 
 def sample_text(model, start_id: int, num_seqs: int, seq_len: int, seed: int) -> torch.Tensor:
@@ -117,7 +148,8 @@ def measure_model(model_dir: str, dtypes: Sequence[str], num_seqs: int, seq_len:
     start_id = cfg.get("bos_token_id") if cfg.get("bos_token_id") is not None else cfg.get("eos_token_id", 0)
     ids = sample_text(model, int(start_id), num_seqs, seq_len, seed)
     lp_ref = score(model, ids, torch.float32)
-    base = dict(model=os.path.basename(os.path.normpath(model_dir)), L=shape.num_layers, d=shape.hidden_size,
+    name, kind = model_kind(model_dir)
+    base = dict(model=name, kind=kind, L=shape.num_layers, d=shape.hidden_size,
                 params=sum(p.numel() for p in model.parameters()))
     rows = []
     for name in dtypes:
@@ -153,11 +185,13 @@ def fit_power_law(L: Sequence[float], d: Sequence[float], y: Sequence[float]) ->
 
 
 def fits_by_dtype(rows: List[Dict]) -> Dict[str, Dict[str, float]]:
-    """``fit_power_law`` of mean |beta| per dtype."""
-    fits = {}
-    for name in dict.fromkeys(r["dtype"] for r in rows):
-        sel = [r for r in rows if r["dtype"] == name]
-        fits[name] = fit_power_law([r["L"] for r in sel], [r["d"] for r in sel], [r["beta_abs_mean"] for r in sel])
+    """``fit_power_law`` of mean |beta| per (kind, dtype), keyed ``"dtype"`` or ``"dtype, kind"`` if kinds mix."""
+    fits, kinds = {}, list(dict.fromkeys(r["kind"] for r in rows))
+    for kind in kinds:
+        for name in dict.fromkeys(r["dtype"] for r in rows):
+            sel = [r for r in rows if r["dtype"] == name and r["kind"] == kind]
+            key = name if len(kinds) == 1 else f"{name}, {kind}"
+            fits[key] = fit_power_law([r["L"] for r in sel], [r["d"] for r in sel], [r["beta_abs_mean"] for r in sel])
     return fits
 
 
@@ -204,9 +238,10 @@ def plot(path: str, rows: List[Dict]) -> Optional[str]:
     except ImportError:
         return None
     fig, ax = plt.subplots(figsize=(6, 4.5))
-    for name in dict.fromkeys(r["dtype"] for r in rows):
-        sel = sorted((math.sqrt(r["L"] * r["d"]), r["beta_abs_mean"]) for r in rows if r["dtype"] == name)
-        ax.plot(*zip(*sel), "o", label=f"fp32 vs {name} (this tool)")
+    for name, kind in dict.fromkeys((r["dtype"], r["kind"]) for r in rows):
+        sel = sorted((math.sqrt(r["L"] * r["d"]), r["beta_abs_mean"]) for r in rows
+                     if r["dtype"] == name and r["kind"] == kind)
+        ax.plot(*zip(*sel), "o" if kind == "pretrained" else "x", label=f"fp32 vs {name}, {kind}")
         x0, y0 = sel[0]
         xs = np.array([x0, math.sqrt(WRITEUP_POINT["L"] * WRITEUP_POINT["d"])])
         ax.plot(xs, y0 * xs / x0, ":", color=ax.lines[-1].get_color(), alpha=0.6)
@@ -234,6 +269,10 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0, help="seed of the random-init weights and of the sampling")
     parser.add_argument("--model-dirs", nargs="+", default=None,
                         help="HF Qwen3 checkpoint dirs to measure instead of the random-init grid (e.g. pretrained)")
+    parser.add_argument("--pretrained-shapes", nargs="+", default=None, metavar="LxD",
+                        help="pretrain one model per shape (tools/pretrain.py, OUT/pretrained/) and measure it and "
+                             "its random init (with --model-dirs: in addition), instead of the random-init grid")
+    parser.add_argument("--pretrain-steps", type=int, default=400, help="with --pretrained-shapes")
     return parser.parse_args(argv)
 
 
@@ -243,14 +282,18 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict:
 
     os.makedirs(args.out, exist_ok=True)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
-    dirs = args.model_dirs or make_grid(os.path.join(args.out, "models"), args.depths, args.widths, args.seed)
+    dirs = list(args.model_dirs or [])
+    if args.pretrained_shapes:
+        dirs += pretrain_grid(os.path.join(args.out, "pretrained"), args.pretrained_shapes, args.pretrain_steps,
+                              args.seed)
+    dirs = dirs or make_grid(os.path.join(args.out, "models"), args.depths, args.widths, args.seed)
     state.initialize_model_parallel(state.Layout(world_size=1))
     start, rows = time.perf_counter(), []
     for model_dir in dirs:
         rows += measure_model(model_dir, args.dtypes, args.num_seqs, args.seq_len, args.seed)
         print(" ".join(f"{k}={_fmt(rows[-1][k])}" for k in ("model", "L", "d")), " ".join(
             f"{r['dtype']}:|beta|={_fmt(r['beta_abs_mean'])}" for r in rows[-len(args.dtypes):]), flush=True)
-    rows.sort(key=lambda r: (r["dtype"], r["d"], r["L"]))
+    rows.sort(key=lambda r: (r["kind"], r["dtype"], r["d"], r["L"]))
     fits = fits_by_dtype(rows)
     command = "python tools/beta_scaling.py " + " ".join(argv if argv is not None else sys.argv[1:])
     text = markdown(rows, fits, command) + f"Measured in {time.perf_counter() - start:.0f} s.\n"

@@ -3,11 +3,14 @@
 The report lives in ``megatron_grpo.plots``; this script is kept for existing commands.
 
     python tools/report.py runs/sweep-tiny [--seed 0] [--html]
+    python tools/report.py runs/writeup-pretrained --writeup docs/results/writeup-reproduction.md
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 
 from megatron_grpo.plots import SECTIONS, build_report  # noqa: F401
 
@@ -17,7 +20,17 @@ def main(argv=None) -> None:
     parser.add_argument("sweep")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--html", action="store_true")
+    parser.add_argument("--writeup", default=None, metavar="DOC",
+                        help="a --grid writeup-pretrained sweep: write its reproduction page (and figures) to DOC")
     args = parser.parse_args(argv)
+    if args.writeup:
+        import writeup
+
+        p = json.load(open(os.path.join(args.sweep, "writeup.json")))
+        print(writeup.write_report(args.sweep, p["table_lr"], p["scan_seeds"], p["seeds"], p["threshold"],
+                                   doc=args.writeup, eps=p.get("eps"),
+                                   family_seeds=p.get("family_seeds"), scan_lrs=p.get("scan_lrs")))
+        return
     print(build_report(args.sweep, args.seed, args.html))
 
 

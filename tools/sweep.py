@@ -9,6 +9,7 @@ Resumable: a run whose ``metrics.jsonl`` already has all its steps is not redone
     python tools/sweep.py --grid tiny-moe-routing --out runs/moe-routing --seeds 0 1 --steps 10
     python tools/sweep.py --grid loss-families --out runs/loss-families --seeds 0 --steps 10
     python tools/sweep.py --grid writeup --out runs/sweep-0.6b --nproc 8      # on a GPU node
+    python tools/sweep.py --grid writeup-pretrained --out runs/writeup-pretrained   # issue 16, see writeup.py
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import subprocess
 import sys
 from typing import Dict, List, Sequence
 
+import writeup
 from megatron_grpo.metrics_logger import read_metrics_rows
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -60,8 +62,10 @@ GRIDS: Dict[str, Dict[str, List[str]]] = {
         for precision, prec in (("fp32-vs-bf16", _FP32_VS_BF16), ("bf16-matched", _BF16_MATCHED[:2]))
     },
     "writeup": {name: [] for name in ("A", "B", "F", "G", "noclip", "detach", "detach-center", "fp16")},
+    # the write-up's table + loss families on the locally pretrained model, one run per (variant, lr)
+    "writeup-pretrained": writeup.grid(),
 }
-RECIPES = {"tiny-phantom": _TINY, "loss-families": _TINY, "tiny-moe-routing": "recipes/grpo-tiny-moe-ep2-cpu.yaml"}
+RECIPES = {"writeup-pretrained": writeup.RECIPE, "tiny-phantom": _TINY, "loss-families": _TINY, "tiny-moe-routing": "recipes/grpo-tiny-moe-ep2-cpu.yaml"}
 COLUMNS = ["run", "seeds", "final_reward", "best_reward", "steps_to_threshold", "beta_abs_mean",
            "phantom_fraction_steps_1_5", "phantom_zero_grad_steps_1_5", "phantom_truncated_steps_1_5",
            "zero_grad_fraction_mean", "deployed_improvement_mean", "kl_rollout_max",
@@ -72,10 +76,12 @@ def recipe_for(grid: str, run: str) -> str:
     return RECIPES.get(grid) or f"recipes/grpo-qwen3-0.6b-eos-{run}.yaml"
 
 
-def command(grid: str, run: str, seed: int, log_dir: str, steps: int, nproc: int, extra: Sequence[str]) -> List[str]:
+def command(grid: str, run: str, seed: int, log_dir: str, steps: int, nproc: int, extra: Sequence[str],
+            pre: Sequence[str] = ()) -> List[str]:
+    """The run's command line; ``pre`` overrides go before the run's own (which win), ``extra`` after."""
     launcher = [sys.executable, "-m", "megatron_grpo"] if nproc == 1 else [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "-m", "megatron_grpo"]
-    overrides = GRIDS[grid][run] + [f"grpo.seed={seed}", f"logger.log_dir={log_dir}", "logger.progress_bar=false"]
+    overrides = list(pre) + GRIDS[grid][run] + [f"grpo.seed={seed}", f"logger.log_dir={log_dir}", "logger.progress_bar=false"]
     if steps:
         overrides.append(f"grpo.max_num_steps={steps}")
     return launcher + ["train", recipe_for(grid, run)] + overrides + list(extra)
@@ -160,6 +166,48 @@ def write_summary(out: str, grid: str, runs: Sequence[str], seeds: Sequence[int]
     return table
 
 
+def run_pairs(grid: str, out: str, pairs, steps: int, nproc: int, extra: Sequence[str],
+              pre: Sequence[str] = ()) -> bool:
+    """Runs (run, seed) pairs in order, each resumable; True if all completed."""
+    ok = True
+    for run, seed in pairs:
+        log_dir = os.path.abspath(os.path.join(out, run, f"seed{seed}"))
+        ok &= run_one(command(grid, run, seed, log_dir, steps, nproc, extra, pre), log_dir, steps)
+    return ok
+
+
+def run_writeup(args) -> int:
+    """``--grid writeup-pretrained`` without ``--runs``: model, lr scan, table, families, report (writeup.py)."""
+    import time
+
+    t0, steps = time.perf_counter(), args.steps or 30
+    writeup.ensure_model()
+    probe = (writeup.run_name("B", writeup.LRS[0]), 0)
+    ok = args.summary_only or run_pairs(args.grid, os.path.join(args.out, "_gap-probe"), [probe],
+                                        writeup.PROBE_STEPS, args.nproc, args.overrides)
+    eps = writeup.choose_eps(read_rows(os.path.join(args.out, "_gap-probe", probe[0], "seed0")))
+    pre = [f"loss_fn.ratio_clip_min={eps:.4g}", f"loss_fn.ratio_clip_max={eps:.4g}"]
+    print(f"[sweep] clip eps {eps:.4g} (the write-up's 0.2 scaled by the measured beta std)", flush=True)
+    scan = writeup.plan(args.scan_seeds, args.seeds, None, scan_lrs=args.scan_lrs)["lr-scan"]
+    ok &= args.summary_only or run_pairs(args.grid, args.out, scan, steps, args.nproc, args.overrides, pre)
+    finals = {run: {s: writeup.final_reward(read_rows(os.path.join(args.out, run, f"seed{s}")))
+                    for s in args.scan_seeds} for run in {r for r, _ in scan}}
+    table_lr = writeup.choose_lr(finals, args.scan_lrs) if args.table_lr == "auto" else float(args.table_lr)
+    stages = writeup.plan(args.scan_seeds, args.seeds, table_lr, args.family_seeds, args.scan_lrs)
+    for stage in ("table", "families"):
+        print(f"[sweep] stage {stage} at lr {table_lr:g}", flush=True)
+        if not args.summary_only:
+            ok &= run_pairs(args.grid, args.out, stages[stage], steps, args.nproc, args.overrides, pre)
+    runs = list(dict.fromkeys(r for pairs in stages.values() for r, _ in pairs))
+    seeds = sorted(set(args.seeds) | set(args.scan_seeds) | set(args.family_seeds or ()))
+    write_summary(args.out, args.grid, runs, seeds, args.threshold)
+    doc = writeup.write_report(args.out, table_lr, args.scan_seeds, args.seeds, args.threshold,
+                               wall_s=None if args.summary_only else time.perf_counter() - t0, eps=eps,
+                               family_seeds=args.family_seeds, scan_lrs=args.scan_lrs)
+    print(f"[sweep] wrote {doc}")
+    return 0 if ok else 1
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--grid", choices=sorted(GRIDS), default="tiny-phantom")
@@ -170,8 +218,18 @@ def main(argv=None) -> int:
     parser.add_argument("--threshold", type=float, default=-4.0, help="reward counted as 'reached'")
     parser.add_argument("--nproc", type=int, default=1, help="ranks per run (torchrun)")
     parser.add_argument("--summary-only", action="store_true", help="rewrite summary.* from existing metrics")
+    parser.add_argument("--scan-seeds", type=int, nargs="+", default=[0],
+                        help="writeup-pretrained: seeds of the lr scan (A, B at every lr)")
+    parser.add_argument("--table-lr", default="auto",
+                        help="writeup-pretrained: lr of the table and families stages (auto: from the scan)")
+    parser.add_argument("--scan-lrs", type=float, nargs="+", default=list(writeup.LRS),
+                        help=f"writeup-pretrained: lrs of the scan (a subset of {list(writeup.LRS)})")
+    parser.add_argument("--family-seeds", type=int, nargs="+", default=None,
+                        help="writeup-pretrained: seeds of the loss-family runs (default: --seeds)")
     parser.add_argument("overrides", nargs="*", help="extra key=value overrides for every run")
     args = parser.parse_args(argv)
+    if args.grid == "writeup-pretrained" and not args.runs:
+        return run_writeup(args)
     runs = args.runs or list(GRIDS[args.grid])
     unknown = [r for r in runs if r not in GRIDS[args.grid]]
     if unknown:
