@@ -42,9 +42,8 @@ PREDICTED_EXPONENT = 0.5
 WRITEUP_POINT = dict(model="Qwen3-0.6B (write-up)", L=28, d=1536, dtype="bfloat16", beta_abs_mean=0.076)
 """The write-up's single measured point (MECHANISM.md: FP32 trainer vs BF16 vLLM, hidden as it states)."""
 COLUMNS = ["model", "kind", "L", "d", "params", "dtype", "tokens", "beta_abs_mean", "beta_std", "beta_abs_max",
-           "beta_mean",
-           "beta_abs_common", "n_common", "beta_abs_medium", "n_medium", "beta_abs_rare", "n_rare", "lp_mean",
-           "lowp_score_s"]
+           "beta_mean", "beta_abs_common", "n_common", "beta_abs_medium", "n_medium", "beta_abs_rare", "n_rare",
+           "lp_mean", "lowp_score_s"]
 
 
 def tiny_shape(L: int, d: int) -> Dict[str, int]:

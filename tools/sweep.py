@@ -21,10 +21,11 @@ import os
 import statistics
 import subprocess
 import sys
+import time
 from typing import Dict, List, Sequence
 
 import writeup
-from megatron_grpo.metrics_logger import read_metrics_rows
+from writeup import read_rows
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -85,13 +86,6 @@ def command(grid: str, run: str, seed: int, log_dir: str, steps: int, nproc: int
     if steps:
         overrides.append(f"grpo.max_num_steps={steps}")
     return launcher + ["train", recipe_for(grid, run)] + overrides + list(extra)
-
-
-def read_rows(log_dir: str) -> List[dict]:
-    path = os.path.join(log_dir, "metrics.jsonl")
-    if not os.path.isfile(path):
-        return []
-    return read_metrics_rows(path)
 
 
 def run_one(cmd: List[str], log_dir: str, expected_steps: int) -> bool:
@@ -178,8 +172,6 @@ def run_pairs(grid: str, out: str, pairs, steps: int, nproc: int, extra: Sequenc
 
 def run_writeup(args) -> int:
     """``--grid writeup-pretrained`` without ``--runs``: model, lr scan, table, families, report (writeup.py)."""
-    import time
-
     t0, steps = time.perf_counter(), args.steps or 30
     writeup.ensure_model()
     probe = (writeup.run_name("B", writeup.LRS[0]), 0)

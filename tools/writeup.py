@@ -19,12 +19,16 @@ states it (docs/results/writeup-reproduction.md).
 
 from __future__ import annotations
 
+import glob
+import json
 import math
 import os
 import statistics
 import subprocess
 import sys
 from typing import Dict, List, Optional, Sequence
+
+from megatron_grpo.metrics_logger import read_metrics_rows
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPE = "recipes/grpo-pretrained-eos-cpu.yaml"
@@ -97,8 +101,6 @@ def ensure_prompts(model_dir: str = MODEL_DIR) -> str:
     The pretrained model continues a file to its end and then emits EOS, so near a file's end some samples stop
     early (reward varies within a group: GRPO has a signal), while EOS as the FIRST token, the task's optimum,
     stays rare (log-prob about -10 to -15 two or more tokens before the end): the write-up's setting."""
-    import json
-
     import pretrain
     from transformers import AutoTokenizer
 
@@ -116,6 +118,12 @@ def ensure_prompts(model_dir: str = MODEL_DIR) -> str:
         f.write("\n".join(lines) + "\n")
     os.replace(path + ".tmp", path)
     return path
+
+
+def read_rows(log_dir: str) -> List[dict]:
+    """The metrics rows of one run folder ([] if it has none yet)."""
+    path = os.path.join(log_dir, "metrics.jsonl")
+    return read_metrics_rows(path) if os.path.isfile(path) else []
 
 
 def final_reward(rows: List[dict], last: int = 5) -> float:
@@ -217,8 +225,6 @@ def seed_stats(rows: List[dict], threshold: float) -> Dict[str, float]:
 
 def collect(out: str, runs: Sequence[str], seeds: Sequence[int], threshold: float) -> Dict[str, List[Dict]]:
     """``{run: [seed_stats per seed with metrics]}`` (plus ``_rows``: the raw rows, for the figures)."""
-    from sweep import read_rows
-
     table = {}
     for run in runs:
         per = []
@@ -382,17 +388,12 @@ def figures(data: Dict[str, List[Dict]], names: Sequence[str], lr: float, fig_di
 
 def _runs_wall(out: str) -> float:
     """Sum of ``wall_s`` over every run's summary.json under ``out`` (the probe included)."""
-    import glob
-    import json
-
     files = glob.glob(os.path.join(out, "*", "seed*", "summary.json"))
     files += glob.glob(os.path.join(out, "_gap-probe", "*", "seed*", "summary.json"))
     return sum(json.load(open(f)).get("wall_s", 0.0) for f in files)
 
 
 def _model_wall(model_dir: str) -> str:
-    import json
-
     path = os.path.join(ROOT, model_dir, "MODEL_CARD.json")
     return f"{json.load(open(path))['wall_time_s'] / 60:.1f} min" if os.path.isfile(path) else "n/a"
 
@@ -406,8 +407,6 @@ def _model_card(model_dir: str) -> List[str]:
 
 def _params(out: str, table_lr, scan_seeds, seeds, threshold, wall_s, eps, family_seeds, scan_lrs) -> Dict:
     """The sweep's parameters, saved in ``OUT/writeup.json`` (a ``--summary-only`` rerun keeps the wall time)."""
-    import json
-
     path = os.path.join(out, "writeup.json")
     old = json.load(open(path)) if os.path.isfile(path) else {}
     params = dict(table_lr=table_lr, scan_seeds=list(scan_seeds), seeds=list(seeds), threshold=threshold,
@@ -420,8 +419,6 @@ def _params(out: str, table_lr, scan_seeds, seeds, threshold, wall_s, eps, famil
 
 
 def _eps_line(out: str, eps: Optional[float]) -> str:
-    from sweep import read_rows
-
     if eps is None:
         return "(the sweep recorded no eps)"
     rows = read_rows(os.path.join(out, "_gap-probe", run_name("B", LRS[0]), "seed0"))
