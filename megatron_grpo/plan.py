@@ -7,7 +7,8 @@ Exact (counted like the built model and Megatron-Core's allocation, tested on th
 parameters, gradients (DDP's grad buffer) and optimizer state (Megatron's optimizer, replicated
 or distributed; both columns shown, ``total`` counts the recipe's). Estimates: activations
 (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models",
-eq. 1-2: s*b*h*(34 + 5*a*s/h) bytes per layer in 16-bit), the logits and the log-prob chunk
+eq. 1-2: s*b*h*(34 + 5*a*s/h) bytes per layer in 16-bit, split over TP as sequence parallelism
+splits them), the logits and the log-prob chunk
 buffers (upper bounds: every sequence padded to ``generation.max_model_len``), and the generator
 (vLLM's reservation, or weights + KV cache).
 """
@@ -18,7 +19,7 @@ from dataclasses import asdict, dataclass
 from typing import Dict, List, Optional, Tuple
 
 from megatron_grpo.config import DTYPES, Config
-from megatron_grpo.models.qwen3 import ModelShape
+from megatron_grpo.models.qwen3 import ModelShape, resolve_sequence_parallel
 
 GIB = 1024 ** 3
 MC = "policy.megatron_cfg."
@@ -33,7 +34,10 @@ DDP_PARAM_ALIGN, DDP_BUCKET_ALIGN = 64, 128
 and ends every bucket at a multiple of lcm(DP x CP, 128) (``param_and_grad_buffer.py``)."""
 KORTHIKANTI_REPLICATED, KORTHIKANTI_SHARDED = 10, 24
 """Activation bytes per token per hidden unit of one layer in 16-bit, 34 in all (attention 11, MLP 19,
-norms 4): without sequence parallelism 10 are replicated over TP and 24 split by it."""
+norms 4): without sequence parallelism 10 are replicated over TP and 24 split by it; with it all 34 are split."""
+KORTHIKANTI_MLP_REPLICATED, KORTHIKANTI_MLP_SHARDED = 3, 16
+"""The MLP's share of those 34: its input and dropout mask (3, replicated over TP), fc1's output and the
+activation (16, split by TP); a MoE layer replaces it by its dispatched tokens (``_moe_terms``)."""
 KORTHIKANTI_SCORES = 5
 """Attention scores, softmax and its dropout mask: 5*a*s^2*b bytes per layer (not kept by flash attention)."""
 
@@ -212,19 +216,22 @@ def _num_micro_batches(cfg: Config, dp: int) -> int:
 def layer_activation_bytes(cfg: Config, shape: ModelShape) -> Tuple[float, float]:
     """(all, layer input only) activation bytes of one layer for one micro-batch.
 
-    Korthikanti et al. without sequence parallelism (the current code never enables it):
-    s*b*h*(10 + 24/t) + 5*a*s^2*b/t bytes in 16-bit, scaled to the compute dtype; the score
-    term is dropped with Transformer Engine (flash / fused attention keeps no s x s scores).
-    s = ``generation.max_model_len`` / CP (every sequence padded to the longest possible).
+    Korthikanti et al.: without sequence parallelism s*b*h*(10 + 24/t), with it (the default for
+    t > 1, ``policy.megatron_cfg.sequence_parallel``) s*b*h*34/t (the norms', residuals' and
+    dropout's 10 are split too, and so are the layer inputs kept for recompute), plus 5*a*s^2*b/t
+    bytes in 16-bit, scaled to the compute dtype; the score term is dropped with Transformer Engine
+    (flash / fused attention keeps no s x s scores). s = ``generation.max_model_len`` / CP (every
+    sequence padded to the longest possible).
     """
     m = cfg.policy.megatron_cfg
     tp, scale = m.tensor_model_parallel_size, DTYPES[cfg.policy.precision.compute_dtype].itemsize / 2
+    sp = resolve_sequence_parallel(m.sequence_parallel, tp, shape)
     s, b, h = (cfg.generation.max_model_len / m.context_parallel_size, cfg.policy.train_micro_batch_size,
                shape.hidden_size)
-    per_layer = s * b * h * (KORTHIKANTI_REPLICATED + KORTHIKANTI_SHARDED / tp)
+    per_layer = s * b * h * (KORTHIKANTI_REPLICATED / (tp if sp else 1) + KORTHIKANTI_SHARDED / tp)
     if m.transformer_impl != "te":
         per_layer += KORTHIKANTI_SCORES * shape.num_heads * s * s * b / tp
-    return per_layer * scale, 2 * s * b * h * scale
+    return per_layer * scale, 2 * s * b * h * scale / (tp if sp else 1)
 
 
 def _activation_terms(cfg: Config, shape: ModelShape, stage: int, dp: int) -> List[Term]:
@@ -289,6 +296,66 @@ def _generator_term(cfg: Config, shape: ModelShape, budget_gib) -> Term:
                 f"estimate: weights + KV cache of {num_seqs} sequences x max_model_len={g.max_model_len}")
 
 
+ROUTE_BYTES = 2
+"""Routing records are int16 ``[B, S, L, k]`` (``models/routing.py``)."""
+NUM_RECORDED_ROUTES = 3
+"""MoE: the shadow's routing and the training forward's used and natural routing, kept for the step's metrics."""
+
+
+def largest_hf_tensor(shape: ModelShape) -> int:
+    """Elements of the largest full (unsharded) HF tensor: what a push gathers at once."""
+    d = shape.head_dim
+    return max(shape.vocab_size * shape.hidden_size, shape.num_heads * d * shape.hidden_size,
+               shape.ffn_hidden_size * shape.hidden_size if not shape.is_moe else 0,
+               shape.moe_ffn_hidden_size * shape.hidden_size)
+
+
+def _push_term(cfg: Config, shape: ModelShape) -> Term:
+    """A stage leader during the weight push: the bucket being filled plus the tensor being gathered
+    (its shards and the unsharded result), all in the generation dtype."""
+    g, size = cfg.generation, DTYPES[cfg.policy.precision.generation_dtype].itemsize
+    bucket = g.weight_push_bucket_mb * 2 ** 20
+    return Term("weight push buffers", bucket + 2 * largest_hf_tensor(shape) * size,
+                ("generation.weight_push_bucket_mb",),
+                f"stage leaders: a {g.weight_push_bucket_mb:g} MiB bucket + the largest tensor gathered (shards + "
+                "full) in the generation dtype; other ranks hold none")
+
+
+def _reference_term(cfg: Config, count: ParamCount) -> Term:
+    dtype = cfg.policy.precision.params_dtype
+    return Term("reference model", DTYPES[dtype].itemsize * count.num_local, ("loss_fn.reference_policy_kl_penalty",)
+                + LAYOUT_KEYS + EXPERT_KEYS, f"a frozen copy of this rank's parameters in {dtype} (no grads, no state)")
+
+
+def _moe_terms(cfg: Config, shape: ModelShape, dp: int) -> List[Term]:
+    """MoE on top of the dense activation estimate: each micro-batch's tokens dispatched to top-k experts
+    (the expert input, fc1's gate+up output and the activation, in the compute dtype, expert-TP splitting
+    the FFN) and the router's fp32 logits and probabilities; and the routing records of the step."""
+    m, p = cfg.policy.megatron_cfg, cfg.policy.precision
+    pp = m.pipeline_model_parallel_size
+    tokens = cfg.policy.train_micro_batch_size * cfg.generation.max_model_len / m.context_parallel_size
+    size, layers = DTYPES[p.compute_dtype].itemsize, shape.num_layers // pp
+    f = shape.moe_ffn_hidden_size / m.expert_tensor_parallel_size
+    tp = m.tensor_model_parallel_size
+    sp = resolve_sequence_parallel(m.sequence_parallel, tp, shape)
+    routed = tokens / tp if sp else tokens  # with SP each TP rank routes its shard of the sequence
+    per_layer = routed * (shape.moe_topk * (shape.hidden_size + 3 * f) * size + 2 * shape.num_experts * 4)
+    dense_mlp = tokens * shape.hidden_size * (KORTHIKANTI_MLP_REPLICATED / (tp if sp else 1)
+                                              + KORTHIKANTI_MLP_SHARDED / tp) * size / 2
+    per_layer = max(0.0, per_layer - dense_mlp)  # the dense estimate's MLP, which a MoE layer does not have
+    rows = cfg.grpo.num_prompts_per_step * cfg.grpo.num_generations_per_prompt / dp
+    num_routes = NUM_RECORDED_ROUTES + (m.moe_routing_replay == "R3")
+    route = rows * cfg.generation.max_model_len * layers * shape.moe_topk * ROUTE_BYTES
+    return [
+        Term("MoE dispatch activations", per_layer * layers * min(pp, _num_micro_batches(cfg, dp)), ACTIVATION_KEYS
+             + (MC + "expert_tensor_parallel_size",), f"estimate: top-{shape.moe_topk} dispatched tokens x (h + 3 x "
+             "moe_ffn/etp) + fp32 router logits/probs, in place of the dense estimate's MLP"),
+        Term("routing records", num_routes * route, (MC + "moe_routing_replay", "generation.max_model_len"),
+             f"{num_routes} int16 [rows, s, layers, top-k] records (shadow, used, natural"
+             + (", R3's generator routes)" if m.moe_routing_replay == "R3" else ")")),
+    ]
+
+
 def _stage_plan(cfg: Config, shape: ModelShape, world_size: int, stage: int) -> MemoryPlan:
     m = cfg.policy.megatron_cfg
     tp, pp, ep, etp = (m.tensor_model_parallel_size, m.pipeline_model_parallel_size, m.expert_model_parallel_size,
@@ -298,6 +365,12 @@ def _stage_plan(cfg: Config, shape: ModelShape, world_size: int, stage: int) -> 
     terms = _state_terms(cfg, count, dp * m.context_parallel_size, expert_dp) + _activation_terms(cfg, shape, stage, dp)
     if stage == pp - 1:
         terms += _logit_terms(cfg, shape)
+    if shape.is_moe:
+        terms += _moe_terms(cfg, shape, dp)
+    if cfg.loss_fn.reference_policy_kl_penalty > 0:
+        terms.append(_reference_term(cfg, count))
+    if cfg.generation.backend != "megatron":  # the megatron engine uses the trainer's weights: nothing is pushed
+        terms.append(_push_term(cfg, shape))
     if stage == 0 and generator_colocated(cfg):
         terms.append(_generator_term(cfg, shape, cfg.cluster.gpu_memory_gib))
     return MemoryPlan(stage=stage, num_stages=pp, dp=dp, expert_dp=expert_dp, terms=terms,

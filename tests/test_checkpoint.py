@@ -229,8 +229,9 @@ def _advantages(step):
     return torch.linspace(-1.0, 1.0, 8) * (1.0 if step % 2 else -0.5)
 
 
-def _build(model_dir, layout, overrides):
-    """A stepper at ``layout`` (collective groups set) and this rank's slice of the step's rows."""
+def _build(model_dir, layout, overrides, gloo_groups=None):
+    """A stepper at ``layout`` (collective groups set) and this rank's slice of the step's rows;
+    ``gloo_groups=False``: without Megatron's gloo groups, as on CUDA."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
@@ -238,7 +239,8 @@ def _build(model_dir, layout, overrides):
     from tests.test_routing import ROWS, _stepper
 
     state.init_distributed()
-    state.initialize_model_parallel(state.Layout(world_size=dist.get_world_size(), **layout))
+    state.initialize_model_parallel(state.Layout(world_size=dist.get_world_size(), **layout),
+                                    create_gloo_process_groups=gloo_groups)
     st = _stepper(model_dir, *overrides)
     st.tp_group, st.dp_group = ps.get_tensor_model_parallel_group(), ps.get_data_parallel_group()
     dp, rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
@@ -376,6 +378,129 @@ def test_a_distributed_optimizer_range_becomes_row_rectangles():
     assert list(_rectangles(3, 17, 0, 4, 5)) == [(0, 1, 3, 2), (1, 2, 0, 5), (3, 1, 0, 2)]
     assert list(_rectangles(3, 17, 2, 4, 5)) == [(0, 1, 0, 5), (1, 1, 0, 2)]  # rows [2, 4) only
     assert list(_rectangles(3, 4, 0, 4, 5)) == [(0, 1, 3, 1)] and list(_rectangles(0, 7, 0, 7, 1)) == [(0, 7, 0, 1)]
+
+
+def _install_fused_adam():
+    """Makes Megatron build a CPU stand-in of TE's FusedAdam, through its own seam: with TE importable
+    ``megatron.core.optimizer`` picks ``Adam`` = FusedAdam (``USING_PYTORCH_OPTIMIZER = False``, so it
+    passes ``adam_w_mode``) and the distributed optimizer accepts it (``isinstance(.., Adam)`` against
+    its own import). The stand-in keeps FusedAdam's layout: the step count in
+    ``param_groups[i]["step"]`` (set by the first update, advanced for groups with params only),
+    per-parameter state ``exp_avg`` / ``exp_avg_sq`` only, Adam's bias correction from the group's
+    step, the update of TE's / apex's multi_tensor_adam (``adam_w_mode``: decoupled weight decay)."""
+    import torch
+    from megatron.core import optimizer as megatron_optimizer
+    from megatron.core.optimizer import distrib_optimizer
+
+    class FusedAdam(torch.optim.Optimizer):
+        def __init__(self, params, lr=1e-3, bias_correction=True, betas=(0.9, 0.999), eps=1e-8, adam_w_mode=True,
+                     weight_decay=0.0):
+            super().__init__(params, dict(lr=lr, bias_correction=bias_correction, betas=betas, eps=eps,
+                                          weight_decay=weight_decay))
+            self.adam_w_mode = adam_w_mode
+
+        @torch.no_grad()
+        def step(self, closure=None):
+            for group in self.param_groups:
+                if not group["params"]:
+                    continue
+                group["step"] = group["step"] + 1 if "step" in group else 1
+                (beta1, beta2), step, decay = group["betas"], group["step"], group["weight_decay"]
+                c1, c2 = (1 - beta1 ** step, 1 - beta2 ** step) if group["bias_correction"] else (1.0, 1.0)
+                for p in (p for p in group["params"] if p.grad is not None):
+                    state = self.state[p]
+                    if not state:
+                        state["exp_avg"], state["exp_avg_sq"] = torch.zeros_like(p), torch.zeros_like(p)
+                    grad = p.grad if self.adam_w_mode else p.grad.add(p, alpha=decay)
+                    state["exp_avg"].mul_(beta1).add_(grad, alpha=1 - beta1)
+                    state["exp_avg_sq"].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+                    update = (state["exp_avg"] / c1) / ((state["exp_avg_sq"] / c2).sqrt() + group["eps"])
+                    p.add_(update.add_(p, alpha=decay) if self.adam_w_mode else update, alpha=-group["lr"])
+
+    megatron_optimizer.Adam, megatron_optimizer.USING_PYTORCH_OPTIMIZER = FusedAdam, False
+    distrib_optimizer.Adam, distrib_optimizer.HAVE_APEX_OR_TE, distrib_optimizer.USING_TE_OPTIMIZER = \
+        FusedAdam, True, True
+    return FusedAdam
+
+
+def _adam_snapshot(st):
+    """The weights, this rank's Adam moments and both forms of its step count."""
+    from megatron_grpo import sharded_state
+
+    opt = st.optimizer.megatron
+    states = [ps.state for ps in sharded_state.param_states(opt)]
+    return dict(params={n: p.detach().clone() for n, p in st.model.named_parameters()},
+                moments=[s[name].clone() for s in states for name in ("exp_avg", "exp_avg_sq")],
+                state_keys={tuple(sorted(s)) for s in states}, param_step=sharded_state.optimizer_step(opt),
+                group_step=sharded_state.optimizer_group_step(opt),
+                groups=[g.get("step") for o in st.optimizer.chained for g in o.optimizer.param_groups if g["params"]])
+
+
+def _fused_adam_worker(model_dir, root, steps=3, saved_at=1):
+    """2 ranks, DP=2 with the distributed optimizer, no gloo groups (as on CUDA), FusedAdam: ``steps``
+    uninterrupted updates; then ``saved_at`` updates, a save, a load into a fresh optimizer and the
+    remaining updates. Also that checkpoint loaded into torch's AdamW (the per-parameter form)."""
+    import megatron.core.optimizer as megatron_optimizer
+    import torch
+
+    from megatron_grpo import resume, sharded_state
+    from megatron_grpo.parallel import state
+
+    fused, ck = _install_fused_adam(), os.path.join(root, "fused")
+    overrides = ["policy.megatron_cfg.optimizer.use_distributed_optimizer=true"]
+
+    def build():
+        st, rows = _build(model_dir, {}, overrides, gloo_groups=False)
+        assert not state.has_gloo_groups()
+        kinds = [(type(o).__name__, type(o.optimizer)) for o in st.optimizer.chained]
+        assert kinds == [("DistributedOptimizer", fused)], kinds
+        return st, rows
+
+    st, rows = build()
+    out = {"straight": [_train_step(st, rows, s) for s in range(1, steps + 1)][-1] + (_adam_snapshot(st),)}
+    st, rows = build()
+    for s in range(1, saved_at + 1):
+        _train_step(st, rows, s)
+    resume.save_checkpoint(_trainer(st, model_dir, ck, saved_at))
+    saved = resume.read_trainer_state(ckpt.step_dir(ck, saved_at))
+    out["saved"] = saved["optimizer_step"], saved["optimizer_group_step"]
+    st, rows = build()
+    resume.load_checkpoint(_trainer(st, model_dir, ck, 0), ckpt.step_dir(ck, saved_at))
+    out["loaded"] = _adam_snapshot(st)
+    out["resumed"] = [_train_step(st, rows, s) for s in range(saved_at + 1, steps + 1)][-1] + (_adam_snapshot(st),)
+    megatron_optimizer.Adam, megatron_optimizer.USING_PYTORCH_OPTIMIZER = torch.optim.AdamW, True
+    st, _ = _build(model_dir, {}, [])
+    resume.load_checkpoint(_trainer(st, model_dir, ck, 0), ckpt.step_dir(ck, saved_at))
+    out["into_adamw"] = [ps.state["step"] for ps in sharded_state.param_states(st.optimizer.megatron)]
+    return out
+
+
+def test_fused_adam_group_step_resumes_at_dp2_without_gloo_groups(tmp_path, tiny_dense):
+    """On CUDA Megatron's gloo groups are not created: the optimizer is built without them (Megatron's
+    default asserts on them) and trains, saves and loads. FusedAdam (TE / apex) counts Adam's steps
+    in its param groups: saved (trainer state ``optimizer_group_step``) and restored there, so after
+    resuming at DP=2 into the distributed optimizer the group step continues (2, 3, not 1, 2) and the
+    weights, moments and metrics equal the uninterrupted run's. The same checkpoint resumes into
+    torch's AdamW with one step tensor per parameter."""
+    import torch
+
+    from tests._dist import run_distributed
+
+    for out in run_distributed(_fused_adam_worker, 2, tiny_dense, str(tmp_path / "ck")):
+        assert out["saved"] == (0, 1)  # FusedAdam keeps no per-parameter step
+        loaded = out["loaded"]
+        assert loaded["group_step"] == 1 and set(loaded["groups"]) == {1} and loaded["param_step"] == 0
+        assert loaded["state_keys"] == {("exp_avg", "exp_avg_sq")}  # FusedAdam's layout: no per-param step
+        (metrics, lp, straight), (metrics_again, lp_again, again) = out["straight"], out["resumed"]
+        assert straight["groups"] == again["groups"] and set(again["groups"]) == {3}
+        for key in metrics:
+            assert metrics_again[key] == pytest.approx(metrics[key], rel=1e-6, abs=1e-7, nan_ok=True), key
+        torch.testing.assert_close(lp_again, lp, rtol=0, atol=1e-6)
+        for name, p in straight["params"].items():
+            torch.testing.assert_close(again["params"][name], p, rtol=0, atol=1e-7, msg=name)
+        torch.testing.assert_close(again["moments"], straight["moments"], rtol=0, atol=1e-9)
+        steps = out["into_adamw"]
+        assert len({id(s) for s in steps}) == len(steps) and {s.item() for s in steps} == {1.0}
 
 
 def _live_tensor_bytes():

@@ -109,3 +109,16 @@ def test_a_file_that_is_not_a_recipe_is_named_without_echoing_it(tmp_path):
     with pytest.raises(ValueError, match=r"not a recipe: cannot parse it as YAML \(line") as err:
         load_recipe(str(broken))
     assert "secret_value" not in str(err.value)
+
+
+@pytest.mark.parametrize("data, message", [
+    ({"cluster": {"distributed_timeout_minutes": 0}}, r"cluster.distributed_timeout_minutes must be > 0"),
+    ({"cluster": {"gpus_per_node": 0}}, r"cluster.gpus_per_node must be >= 1"),
+    ({"reward": {"timeout_s": 600}, "cluster": {"distributed_timeout_minutes": 5}},
+     r"reward.timeout_s=600.0 must be below cluster.distributed_timeout_minutes=5.0 x 60 s"),
+])
+def test_cluster_timeouts_are_checked(data, message):
+    from megatron_grpo.config import from_dict
+
+    with pytest.raises(ValueError, match=message):
+        from_dict(Config, data)

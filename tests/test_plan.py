@@ -1,6 +1,7 @@
 """Memory plan: parameter / gradient / optimizer bytes against Megatron's allocation in real tiny runs (replicated,
 and distributed at DP=2), sharding by hand, the fit check, dry run."""
 
+import dataclasses
 import json
 import os
 
@@ -173,8 +174,12 @@ def test_activation_formula_by_hand():
                                         "megatron_cfg": {"tensor_model_parallel_size": 2}},
                              "generation": {"max_model_len": 100}})
     s, b, h, a = 100, 2, 64, 8
-    full, layer_input = layer_activation_bytes(cfg, SHAPE)
-    assert full == 2 * (s * b * h * (10 + 24 / 2) + 5 * a * s * s * b / 2)  # fp32 = twice the 16-bit bytes
+    full, layer_input = layer_activation_bytes(cfg, SHAPE)  # MoE at TP = 2: sequence parallel, all 34 split
+    assert full == 2 * (s * b * h * 34 / 2 + 5 * a * s * s * b / 2)  # fp32 = twice the 16-bit bytes
+    assert layer_input == 2 * 2 * s * b * h / 2
+    cfg.policy.megatron_cfg.sequence_parallel = False  # a dense model may run TP without SP: 10 replicated
+    full, layer_input = layer_activation_bytes(cfg, dataclasses.replace(SHAPE, num_experts=0))
+    assert full == 2 * (s * b * h * (10 + 24 / 2) + 5 * a * s * s * b / 2)
     assert layer_input == 2 * 2 * s * b * h
 
 
@@ -241,7 +246,7 @@ def test_dry_run_prints_the_table_and_json(capsys, monkeypatch):
     assert {"config", "layout", "memory"} <= set(out) and out["memory"]["total_gib"] <= 79
     assert out["config"]["cluster"]["gpu_memory_gib"] == 79
     assert main(os.path.join("recipes", recipe), ["cluster.gpu_memory_gib=40"], dry_run=True, world_size=world) == 2
-    assert "biggest term is activations (no recompute)" in capsys.readouterr().out
+    assert "biggest term is parameters" in capsys.readouterr().out  # SP (TP=2) split the activations
 
 
 def test_format_plan_lists_terms_and_total():
@@ -258,3 +263,28 @@ def test_a_real_run_checks_the_plan_before_building_anything(tiny_dense, capsys,
     assert train.main(recipe, [f"policy.model_name={tiny_dense}", "cluster.gpu_memory_gib=0.001",
                                 "generation.backend=vllm_server", "generation.server_url=http://elsewhere:8000"]) == 2
     assert "exceeds cluster.gpu_memory_gib=0.001" in capsys.readouterr().out
+
+
+def test_push_reference_routes_and_moe_terms_by_hand():
+    """The weight push's buffers (stage leaders), a reference model, MoE dispatch activations and the routing
+    records (R3 adds the generator's routes) are counted; the megatron backend pushes nothing."""
+    from megatron_grpo.plan import largest_hf_tensor
+
+    cfg = from_dict(Config, {"policy": {"train_micro_batch_size": 2, "precision": {"compute_dtype": "bfloat16",
+                                                                                 "generation_dtype": "bfloat16"},
+                                        "megatron_cfg": {"moe_routing_replay": "R3"}},
+                             "generation": {"max_model_len": 100, "weight_push_bucket_mb": 1.0},
+                             "grpo": {"num_prompts_per_step": 2, "num_generations_per_prompt": 4},
+                             "loss_fn": {"reference_policy_kl_penalty": 0.1}})
+    shape = dataclasses.replace(SHAPE, moe_topk=8, moe_ffn_hidden_size=128)
+    plan = memory_plan(cfg, shape, 1)
+    assert largest_hf_tensor(shape) == 1000 * 64  # the embedding
+    assert plan.term("weight push buffers").bytes == 2 ** 20 + 2 * 1000 * 64 * 2
+    assert plan.term("reference model").bytes == plan.term("parameters").bytes
+    assert plan.term("routing records").bytes == 4 * 8 * 100 * 4 * 8 * 2  # 4 records x rows x s x layers x k x 2 B
+    tokens, h, f = 200, 64, 128
+    per_layer = tokens * (8 * (h + 3 * f) * 2 + 2 * 8 * 4) - tokens * h * (3 + 16)  # minus the dense MLP
+    assert plan.term("MoE dispatch activations").bytes == pytest.approx(per_layer * 4)  # 4 layers, 1 in flight
+    cfg.generation.backend, cfg.loss_fn.reference_policy_kl_penalty = "megatron", 0.0
+    names = {t.name for t in memory_plan(cfg, shape, 1).terms}
+    assert "weight push buffers" not in names and "reference model" not in names

@@ -221,3 +221,37 @@ def test_one_push_reaches_both_engines_and_the_probe_names_a_stale_one(pool, tin
     fan_out([newer], [pool.engines[1]], version=2)  # engine 1 alone moves on
     with pytest.raises(ParityError, match=r"^engine 1 of 2 \(vllm pid \d+\): weight push of version 2 failed"):
         check_parity(pool, probe, lambda _: hf, [k for k, _ in items], 1e-4, 2)
+
+
+def test_engine_placement_stays_on_rank0s_node_and_never_wraps_onto_trainer_gpus(monkeypatch):
+    """Multi-node: rank 0 spawns every local engine on its own node (LOCAL_WORLD_SIZE of the world's ranks);
+    engines that do not fit there are an error on GPU (CPU: they share the cores), and a device index past
+    the visible GPUs is an error instead of a wrap onto a trainer's GPU."""
+    from megatron_grpo import setup
+    from megatron_grpo.config import Config, GenerationConfig, from_dict
+    from megatron_grpo.train import describe_layout
+
+    colocated = GenerationConfig(num_engines=2, tensor_parallel_size=4, colocated=True)
+    slots = engine_placement(colocated, 16, local_world_size=8, num_local_gpus=8)  # 2 nodes x 8 GPUs
+    assert [(s.ranks, s.devices) for s in slots] == [([0, 1, 2, 3], [0, 1, 2, 3]), ([4, 5, 6, 7], [4, 5, 6, 7])]
+    too_many = GenerationConfig(num_engines=3, tensor_parallel_size=4, colocated=True)
+    with pytest.raises(ValueError, match=r"generation.num_engines=3 x generation.tensor_parallel_size=4 = 12 GPUs.*"
+                                         r"8 trainer rank\(s\) \(LOCAL_WORLD_SIZE\)"):
+        engine_placement(too_many, 16, local_world_size=8, num_local_gpus=8)
+    assert len(engine_placement(too_many, 2)) == 3  # CPU: the engines split the cores
+    dedicated = GenerationConfig(num_engines=1, tensor_parallel_size=2, colocated=False)
+    assert engine_placement(dedicated, 12, local_world_size=6, num_local_gpus=8)[0].devices == [6, 7]
+    with pytest.raises(ValueError, match=r"dedicated engines after the trainer's 8 on rank 0's node, which has 8"):
+        engine_placement(dedicated, 16, local_world_size=8, num_local_gpus=8)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
+    assert setup._visible_devices([2, 3]) == ["6", "7"]
+    with pytest.raises(ValueError, match=r"local GPU 4 does not exist \(this process sees 4"):
+        setup._visible_devices([4])  # used to wrap onto "4": a trainer's GPU
+    cfg = from_dict(Config, {"generation": {"num_engines": 3, "tensor_parallel_size": 4, "colocated": True},
+                             "cluster": {"gpus_per_node": 8}})
+    with pytest.raises(ValueError, match="LOCAL_WORLD_SIZE"):
+        describe_layout(cfg, 16)  # the dry run checks the cluster's node, not this machine
+    with pytest.raises(ValueError, match=r"generation.backend=megatron needs policy.megatron_cfg."
+                                         r"pipeline_model_parallel_size=1 \(got 2\)"):
+        from_dict(Config, {"generation": {"backend": "megatron"},
+                           "policy": {"megatron_cfg": {"pipeline_model_parallel_size": 2}}})

@@ -70,3 +70,58 @@ def test_unknown_reward_lists_valid_names():
     with pytest.raises(ValueError, match="negative_length"):
         get_reward_fn("nope")
     assert "negative_length" in REWARDS.names()
+
+
+def counted(completion_ids, texts, **kwargs):
+    """Records which rank called it (a reward with side effects: a service, a sandbox, a counter)."""
+    import os
+
+    with open(os.environ["REWARD_CALLS"], "a") as f:
+        f.write(os.environ["RANK"] + "\n")
+    return [float(len(t)) for t in texts]
+
+
+def _score_on_two_ranks(calls_file):
+    """Each rank scores the same rollouts (rank 1 with a decode that would fail), then a NaN reward,
+    then waits on a collective that rank 0 joins too late for the configured timeout."""
+    import os
+    import time
+
+    import torch.distributed as dist
+
+    from megatron_grpo.parallel import comm, state
+    from megatron_grpo.rewards import score_once
+
+    os.environ["REWARD_CALLS"] = calls_file
+    state.init_distributed(timeout_minutes=2.0 / 60)  # cluster.distributed_timeout_minutes: 2 s
+    rank = dist.get_rank()
+    decode = (lambda ids: ["x" * len(i) for i in ids]) if rank == 0 else None  # other ranks never decode
+    ok = score_once(get_reward_fn("tests.test_rewards:counted"), "counted", 3, [[1], [2, 3]], decode, [[0], [0]],
+                    rank=rank)
+    try:
+        score_once(with_nan, "with_nan", 4, [[1], [2, 3]], decode, [[0], [0]], rank=rank)
+        error = None
+    except ValueError as exc:
+        error = str(exc)
+    if rank == 0:
+        time.sleep(6.0)  # e.g. a vLLM start on rank 0 that outlasts the collective timeout
+    started = time.monotonic()
+    try:
+        comm.broadcast_object("late", src=0)
+        timed_out = False
+    except Exception:  # noqa: BLE001 - gloo raises RuntimeError on a timed-out collective
+        timed_out = True
+    return ok.tolist(), error, timed_out, time.monotonic() - started
+
+
+def test_rewards_scored_once_broadcast_and_agreed_with_the_collective_timeout(tmp_path):
+    """Rank 0 alone calls the reward; every rank gets its values, or the same error naming function and step;
+    ``cluster.distributed_timeout_minutes`` bounds how long a rank waits in a collective."""
+    from tests._dist import run_distributed
+
+    calls = tmp_path / "calls.txt"
+    results = run_distributed(_score_on_two_ranks, 2, str(calls))
+    assert calls.read_text().split() == ["0"]  # one call, on rank 0
+    assert [r[0] for r in results] == [[1.0, 2.0]] * 2
+    assert results[0][1] == results[1][1] and "'with_nan'" in results[1][1] and "at step 4" in results[1][1]
+    assert results[1][2] and results[1][3] < 5.0  # rank 1 gave up after ~2 s, not the 30-minute default

@@ -53,7 +53,7 @@ def test_generate_n_completions_with_logprobs_matching_transformers(dtype, tiny_
     assert diffs.mean().item() <= mean_tol and diffs.max().item() <= max_tol, (diffs.mean(), diffs.max())
 
 
-def _push_worker(model_dir, tp):
+def _push_worker(model_dir, tp, transport):
     """Rank 0 hosts vLLM; every rank perturbs its shard, pushes, and runs the probe."""
     import torch.distributed as dist
 
@@ -69,7 +69,7 @@ def _push_worker(model_dir, tp):
 
     model, shape = build_from_hf(model_dir)
     rank0 = dist.get_rank() == 0
-    engine = VLLMEngine(model_dir, torch.float32, max_model_len=128) if rank0 else None
+    engine = VLLMEngine(model_dir, torch.float32, max_model_len=128, weight_transfer=transport) if rank0 else None
     probe = ProbeBatch.synthetic(shape.vocab_size)
     packed = F.pack(probe.sequences, probe.prompt_lens)
 
@@ -117,9 +117,16 @@ def _push_worker(model_dir, tp):
     return out
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_push_follows_weights_and_probe_catches_bad_pushes(tp, tiny_dense):
-    results = run_distributed(_push_worker, tp, tiny_dense, tp)
+@pytest.mark.parametrize("tp, transport", [(1, "file"), (2, "gloo")])
+def test_push_follows_weights_and_probe_catches_bad_pushes(tp, transport, tiny_dense, capfd):
+    """TP = 2 also takes the offline ``LLM`` weight-transfer API (gloo engine, checksums in the probe). Quiet
+    with many buckets: one layerwise reload per push, so vLLM warns only about a layer no bucket loaded (the
+    push that drops layer 1's down_proj), not about every layer outside each bucket (176 lines before)."""
+    results = run_distributed(_push_worker, tp, tiny_dense, tp, transport)
+    captured = capfd.readouterr()  # vLLM logs to stdout
+    failed = [line for line in (captured.out + captured.err).splitlines() if "Failed to load weights" in line]
+    if transport == "file":
+        assert len(failed) == 1 and "RowParallelLinear" in failed[0], failed[:5]
     r0 = results[0]
     assert isinstance(r0["good"], dict) and r0["good"]["sync/logprob_abs_diff_mean"] < 1e-4
     assert r0["moved"] > 1e-2  # vLLM follows the new weights, not the old ones
@@ -158,40 +165,111 @@ def test_async_pipeline_is_max_staleness_deep_and_probes_at_temperature_one(tmp_
     assert max(r["policy/kl_rollout"] for r in rows[2:]) > 0  # two versions of lag: alpha is policy movement
 
 
-def test_server_mode_generate_push_generate_and_dead_server_error(tiny_dense):
+def _private_mount_prefix():
+    """A command prefix that runs the server with its own /dev/shm and /tmp (a private mount namespace),
+    as on another host or in another container: it cannot read the trainer's bucket files."""
+    import shutil
+    import subprocess
+
+    if shutil.which("unshare") is None:
+        pytest.skip("unshare (util-linux) is not installed: the private-/dev/shm server test needs it")
+    probe = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c",
+                            "mount -t tmpfs tmpfs /dev/shm"], capture_output=True, text=True)
+    if probe.returncode != 0:
+        pytest.skip(f"unshare --mount is not permitted here (needs root / CAP_SYS_ADMIN): {probe.stderr.strip()}")
+    return ["unshare", "--mount", "--propagation", "private", "sh", "-c",
+            'mount -t tmpfs tmpfs /dev/shm && mount -t tmpfs tmpfs /tmp && exec "$@"', "private-mounts"]
+
+
+def _hf_scores(model_dir, weights, sequences, prompt_lens):
+    import transformers
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    hf.load_state_dict(weights, strict=False)
+    out = []
+    with torch.no_grad():
+        for seq, start in zip(sequences, prompt_lens):
+            lp = torch.log_softmax(hf(torch.tensor([seq])).logits[0], -1)
+            out.append([lp[t - 1, seq[t]].item() for t in range(start, len(seq))])
+    return out
+
+
+def test_server_in_private_mounts_gloo_push_from_two_stages_parity_and_dead_server_error(tiny_dense):
+    """One server for every server check: launched in its own mount namespace (own /dev/shm and /tmp,
+    127.0.0.1 only), so the file transport cannot reach it; weights go through vLLM's weight-transfer
+    API with our gloo engine (the vllm.general_plugins entry point), from two senders at once (two
+    pipeline stages, each its own layers); generate, parity (log-probs, version, checksums), a
+    second push moves the log-probs to the new weights; then a dead server errors, never hangs."""
+    import shutil
     import signal
+    import tempfile
+    import threading
 
     from safetensors.torch import load_file
 
+    from megatron_grpo.rollout.fanout import SharedFileFanout
+    from megatron_grpo.rollout.gloo_transfer import GlooSender
+    from megatron_grpo.rollout.parity import ProbeBatch, check_parity, check_weights
     from megatron_grpo.rollout.vllm_engine import GeneratorError
     from megatron_grpo.rollout.vllm_server import VLLMServerEngine
 
-    engine = VLLMServerEngine(tiny_dense, torch.float32, max_model_len=128, retry_timeout_s=5)
+    prefix = _private_mount_prefix()
+    model_dir = shutil.copytree(tiny_dense, os.path.join(tempfile.mkdtemp(dir="/var/tmp"), "tiny"))  # not under /tmp
+    engine = VLLMServerEngine(model_dir, torch.float32, max_model_len=128, retry_timeout_s=5, weight_transfer="gloo",
+                              transfer_senders=2, launch_prefix=prefix)
+    stage1 = {}
+
+    def stage1_send(bucket):  # pipeline stage 1's rank: joins the group once, then sends its layers each push
+        try:
+            stage1.setdefault("sender", GlooSender(engine.transfer.endpoint, 1))
+            stage1["names"] = stage1["sender"].send_buckets([bucket])
+        except BaseException as exc:  # noqa: BLE001
+            stage1["names"] = exc
+
+    def push(weights, version):
+        items = list(weights.items())  # file order keeps each layer's tensors together
+        split = next(i for i, (k, _) in enumerate(items) if k.startswith("model.layers.2."))
+        other = threading.Thread(target=stage1_send, args=(items[split:],))
+        other.start()
+        names = engine.update_weights([items[:split]], version)
+        other.join(timeout=300)
+        assert isinstance(stage1["names"], list), stage1["names"]
+        return names + stage1["names"]
+
     try:
         assert engine.url.startswith("http://127.0.0.1:")
         rollouts = engine.generate([[5, 6, 7], [8, 9]], 2, Sampling(max_tokens=6, seed=1))
         assert len(rollouts) == 4 and all(len(r.logprobs) == len(r.completion_ids) > 0 for r in rollouts)
-        seq = [rollouts.items[0].prompt_ids + rollouts.items[0].completion_ids]
-        before = engine.score(seq, [3])
-        weights = {k: v * 1.05 for k, v in load_file(os.path.join(tiny_dense, "model.safetensors")).items()}
-        items = list(weights.items())  # file order keeps each layer's tensors together
-        split = next(i for i, (k, _) in enumerate(items) if k.startswith("model.layers.2."))
-        engine.update_weights([items[:split], items[split:]], version=1)
-        after = engine.score(seq, [3])
+        probe = ProbeBatch([rollouts.items[0].prompt_ids + rollouts.items[0].completion_ids], [3])
+        before = engine.score(probe.sequences, probe.prompt_lens)
+        original = load_file(os.path.join(tiny_dense, "model.safetensors"))
+        results = []
+        for version, scale in ((1, 1.05), (2, 0.9)):
+            weights = {k: v * scale for k, v in original.items()}
+            names = push(weights, version)
+            assert sorted(names) == sorted(weights)
+            expected = _hf_scores(tiny_dense, weights, probe.sequences, probe.prompt_lens)
+            metrics = check_parity(engine, probe, lambda p: expected, names, 1e-4, version, max_tolerance=1e-3)
+            assert metrics["sync/logprob_abs_diff_max"] < 1e-4  # the server follows the push
+            assert check_weights(engine, version) >= 10  # norms + embeddings of stage 0: checksums equal ours
+            results.append(engine.score(probe.sequences, probe.prompt_lens))
+        assert engine.weight_version() == "2" and engine.policy_version == 2
         again = engine.generate([[5, 6, 7]], 1, Sampling(max_tokens=6, seed=1))
-        assert again.items[0].policy_version == 1
-        import transformers
-
-        hf = transformers.AutoModelForCausalLM.from_pretrained(tiny_dense, dtype=torch.float32)
-        hf.load_state_dict(weights, strict=False)
-        with torch.no_grad():
-            lp = torch.log_softmax(hf(torch.tensor(seq)).logits[0], -1)
-        expected = [lp[t - 1, seq[0][t]].item() for t in range(3, len(seq[0]))]
-        assert max(abs(a - b) for a, b in zip(after[0], expected)) < 1e-4  # the server follows the push
-        assert max(abs(a - b) for a, b in zip(after[0], before[0])) > 1e-3
+        assert again.items[0].policy_version == 2
+        pairs = ((before, results[0]), (results[0], results[1]))
+        moved = [max(abs(a - b) for a, b in zip(x[0], y[0])) for x, y in pairs]
+        assert min(moved) > 1e-3, moved  # each push changed the log-probs (to the new weights: parity above)
+        shm = SharedFileFanout(1)  # the file transport: the server cannot see this host's /dev/shm
+        path = shm.publish([("model.norm.weight", original["model.norm.weight"])])[0]
+        with pytest.raises(GeneratorError, match="/collective_rpc"):
+            engine.push_file(path)  # its worker extension finds no such file in its own /dev/shm
+        shm.close()
         os.killpg(engine._proc.pid, signal.SIGKILL)
         engine._proc.wait()
         with pytest.raises(GeneratorError, match=r"did not answer .* attempts over 5 s"):
             engine.generate([[5]], 1, Sampling(max_tokens=2))
     finally:
+        if isinstance(stage1.get("sender"), GlooSender):
+            stage1["sender"].close()
         engine.close()
+        shutil.rmtree(os.path.dirname(model_dir), ignore_errors=True)

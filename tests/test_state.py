@@ -2,7 +2,7 @@
 
 import pytest
 
-from megatron_grpo.parallel.state import Layout, validate_layout
+from megatron_grpo.parallel.state import Layout, has_gloo_groups, validate_layout
 
 
 @pytest.mark.parametrize("layout, kwargs, key", [
@@ -31,6 +31,7 @@ def test_megatron_groups_follow_the_layout(megatron_single):
     assert ps.get_tensor_model_parallel_world_size() == 1
     assert ps.get_data_parallel_world_size() == 1
     assert ps.get_expert_model_parallel_world_size() == 1
+    assert has_gloo_groups()  # created on CPU (not on CUDA): what the optimizer is told
 
 
 def test_single_process_world_opens_no_network_listener():

@@ -98,28 +98,179 @@ def test_moe_runs_get_routing_figures(tmp_path):
 
 @pytest.mark.slow
 def test_gpu_check_dry_run_trains_runs_a_and_b(tmp_path):
-    """``GPU_CHECK_DRY=1 tools/gpu_check.sh``: the device check's own script and phases on CPU (tiny
-    model of the Qwen3-0.6B family written without transformers, no tokenizer, 2 steps per run of
-    the real ``megatron-grpo train`` with generation.backend=megatron)."""
+    """``GPU_CHECK_DRY=1 tools/gpu_check.sh``: the device check's own script and every phase on CPU (tiny
+    model of the Qwen3-0.6B family written without transformers, no tokenizer; smoke = 1 step, A / B /
+    fp16 = 2 steps of the real ``megatron-grpo train`` with generation.backend=megatron)."""
+    from gpu_check import PHASES
+
     out = tmp_path / "out"
     env = dict(os.environ, GPU_CHECK_DRY="1", PYTHON=sys.executable, GPU_CHECK_WORK=str(tmp_path / "work"))
+    env.pop("GPU_CHECK_PHASES", None)
     proc = subprocess.run(["bash", "tools/gpu_check.sh", str(out)], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=400)
+                          text=True, timeout=460)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     assert "gpu_check: OK" in proc.stdout
-    assert sorted(os.listdir(out)) == ["gpu_check.json", "gpu_check.log", "run_A.metrics.jsonl",
-                                       "run_B.metrics.jsonl"]  # small files only: the device returns few
+    assert sorted(os.listdir(out)) == ["gpu_check.json", "gpu_check.log", "run_A.metrics.jsonl", "run_B.metrics.jsonl",
+                                       "run_fp16.metrics.jsonl", "run_smoke.metrics.jsonl"]  # small files only
     results = json.loads((out / "gpu_check.json").read_text())
-    assert results["ok"] and results["mode"] == "dry" and results["errors"] == []
-    assert all(p["rc"] == 0 for p in results["phases"].values()) and set(results["phases"]) == {"beta", "runA", "runB"}
-    a, b = results["runs"]["A"], results["runs"]["B"]
-    assert a["steps_logged"] == b["steps_logged"] == 2
-    assert a["precision/beta_abs_mean"] == [0.0, 0.0] and a["precision/beta_abs_max"] == [0.0, 0.0]  # matched
+    assert results["ok"] and results["finished"] and results["running"] is None and results["mode"] == "dry"
+    phases = results["phases"]
+    assert list(phases) == list(PHASES) and all(p["status"] == "ok" and p["seconds"] > 0 for p in phases.values())
+    pre = phases["preflight"]["measurements"]
+    assert pre["problems"] == [] and pre["device"] == "cpu" and pre["work_free_gib"] > 0
+    assert all(pre["imports"][m]["ok"] for m in ("megatron.core", "omegaconf", "yaml", "safetensors"))
+    smoke = phases["smoke"]["measurements"]
+    assert smoke["steps_logged"] == 1 and all(v > 0 for v in smoke["train/grad_norm"])
+    a, b, fp16 = (phases[n]["measurements"] for n in ("A", "B", "fp16"))
+    assert a["steps_logged"] == b["steps_logged"] == fp16["steps_logged"] == 2
+    for matched in (a, fp16):  # precision-matched: trainer and generator compute alike
+        assert matched["precision/beta_abs_mean"] == [0.0, 0.0] and matched["precision/beta_abs_max"] == [0.0, 0.0]
     assert all(v > 0 for v in b["precision/beta_abs_mean"])  # fp32 trainer vs bf16 generator
-    for run in (a, b):
+    assert all(v > 1 for v in fp16["train/loss_scale"])  # fp16: Megatron's dynamic loss scaler is on
+    for run in (a, b, fp16):
         assert all(t > 0 for t in run["time/step_s"]) and run["step_s_mean_after_first"] > 0
         for key in ("clip/phantom_region_fraction", "clip/phantom_zero_grad_fraction", "clip/legit_zero_grad_fraction"):
             assert all(0.0 <= v <= 1.0 for v in run[key]), key
-    beta = results["beta"]
-    assert beta["beta_abs_mean_bf16"] > beta["beta_abs_mean_fp16"] > 0  # fp16 keeps 3 more mantissa bits
+    beta = phases["beta"]["measurements"]
+    assert beta["beta_bf16_abs_mean"] > beta["beta_fp16_abs_mean"] > 0  # fp16 keeps 3 more mantissa bits
     assert beta["tokens_common"] + beta["tokens_medium"] + beta["tokens_rare"] == beta["tokens"]
+    # the fp64 reference: fp32 sits ~1e-7 from it, the low precisions ~1e-4..1e-2; with fp32 ~ fp64, the
+    # error of bf16 / fp16 vs fp64 is their beta vs fp32
+    fp32_err = beta["err_vs_fp64_fp32_abs_mean"]
+    assert 0 < fp32_err < 1e-5 and beta["err_vs_fp64_fp32_abs_max"] < 1e-5
+    for low in ("bf16", "fp16"):
+        assert beta[f"err_vs_fp64_{low}_abs_mean"] > 50 * fp32_err
+        assert beta[f"err_vs_fp64_{low}_abs_mean"] == pytest.approx(beta[f"beta_{low}_abs_mean"], abs=1e-5)
+    notes = "\n".join(results["not_measured"])
+    assert "vLLM generation" in notes and "Transformer Engine GEMMs" in notes and "dry run on CPU" in notes
+    assert not any(n.startswith(f"{p} (") for n in results["not_measured"] for p in PHASES)  # every phase ran
+
+
+def test_gpu_check_phase_runner_records_each_phase_atomically(tmp_path):
+    """The phase runner without training: the JSON on disk before, during and after each phase; failed
+    (with the measurements, NaN included) / skipped (not selected, over budget, its estimate raised by
+    an earlier run of its group) / a crash; an interrupt leaves a valid JSON naming the killed phase."""
+    import gpu_check_runner as runner
+
+    path = str(tmp_path / "gpu_check.json")
+    now = [0.0]
+    calls = []
+
+    def on_disk():
+        with open(path) as f:  # strict JSON: a NaN literal would raise here
+            return json.load(f, parse_constant=lambda c: pytest.fail(f"{c} in the JSON"))
+
+    def phase(name, seconds, result=None, error=None):
+        def run(timeout_s):
+            disk = on_disk()
+            calls.append((name, timeout_s, disk["running"], {n: p["status"] for n, p in disk["phases"].items()}))
+            now[0] += seconds
+            if error:
+                raise error
+            return result
+
+        return run
+
+    failure = runner.PhaseFailed("gap too large", {"gap": float("nan")})
+    specs = [runner.PhaseSpec("pre", phase("pre", 5, {"x": 1.5}), 10, "pre things"),
+             runner.PhaseSpec("bad", phase("bad", 10, error=failure), 10, "bad things"),
+             runner.PhaseSpec("unselected", phase("unselected", 1), 1, "u things"),
+             runner.PhaseSpec("huge", phase("huge", 1), 1000, "h things"),
+             runner.PhaseSpec("crash", phase("crash", 0, error=RuntimeError("boom")), 1, "c things"),
+             runner.PhaseSpec("run1", phase("run1", 50, {}), 10, "r1 things", group="run"),
+             runner.PhaseSpec("run2", phase("run2", 1, {}), 10, "r2 things", group="run")]
+    selected = ["pre", "bad", "huge", "crash", "run1", "run2"]
+    results = runner.run_phases(specs, selected, 100.0, path, {"mode": "test"}, lambda r: ["machine note"],
+                                clock=lambda: now[0])
+    assert [c[0] for c in calls] == ["pre", "bad", "crash", "run1"]  # huge and run2 never started
+    # timeout 3 x estimate 10; the phases left out by --phases are known as skipped from the start
+    assert calls[0] == ("pre", 30.0, "pre", {s.name: "skipped" if s.name == "unselected" else "not_run" for s in specs})
+    assert calls[1][2] == "bad" and calls[1][3]["pre"] == "ok"  # written after pre, before bad
+    assert calls[3][1] == 30.0  # min(budget left 85, 3 x estimate 10)
+    disk = on_disk()
+    assert runner.json_safe(results) == disk
+    status = {n: (p["status"], p.get("why") or p.get("reason")) for n, p in disk["phases"].items()}
+    assert status["pre"] == ("ok", None) and disk["phases"]["pre"]["measurements"] == {"x": 1.5}
+    assert status["bad"] == ("failed", "gap too large") and disk["phases"]["bad"]["measurements"] == {"gap": "nan"}
+    assert status["unselected"] == ("skipped", "not in --phases (GPU_CHECK_PHASES)")
+    assert status["huge"][0] == "skipped" and "needs ~1000 s" in status["huge"][1]
+    assert status["crash"] == ("failed", "RuntimeError: boom")
+    assert status["run2"][0] == "skipped" and "needs ~50 s" in status["run2"][1]  # run1 took 50 s; 35 s left
+    assert disk["finished"] and disk["running"] is None and not disk["ok"] and results["ok"] is False
+    assert disk["not_measured"][0] == "machine note"
+    assert {n.split(" (")[0] for n in disk["not_measured"][1:]} == {"bad", "unselected", "huge", "crash", "run2"}
+    assert os.listdir(tmp_path) == ["gpu_check.json"]  # no temp files left
+
+    # the first phase gates the rest; an interrupt (SIGTERM -> SystemExit) is recorded, then propagates
+    calls.clear()
+    gated = [runner.PhaseSpec("pre", phase("pre", 1, error=runner.PhaseFailed("no CUDA")), 1, "p"),
+             runner.PhaseSpec("next", phase("next", 1, {}), 1, "n")]
+    assert runner.run_phases(gated, ["pre", "next"], 100.0, path, {}, clock=lambda: now[0])["ok"] is False
+    assert on_disk()["phases"]["next"] == {"status": "skipped", "why": "pre did not pass", "measures": "n",
+                                           "estimate_s": 1}
+    killed = [runner.PhaseSpec("pre", phase("pre", 1, {}), 1, "p"),
+              runner.PhaseSpec("long", phase("long", 1, error=SystemExit(143)), 1, "l"),
+              runner.PhaseSpec("after", phase("after", 1, {}), 1, "a")]
+    with pytest.raises(SystemExit):
+        runner.run_phases(killed, ["pre", "long", "after"], 100.0, path, {}, clock=lambda: now[0])
+    disk = on_disk()
+    assert [p["status"] for p in disk["phases"].values()] == ["ok", "failed", "not_run"] and not disk["finished"]
+    assert "interrupted" in disk["phases"]["long"]["reason"] and disk["running"] is None
+    assert disk["not_measured"][-1] == "after (a): not run yet"
+
+
+def test_gpu_check_json_writer_and_phase_selection(tmp_path):
+    """write_json_atomic leaves the old file whole when a write fails midway; --phases / GPU_CHECK_PHASES
+    pick a subset (preflight always) and name the valid phases on a typo, also through gpu_check.sh."""
+    import gpu_check as gc
+    from gpu_check_runner import write_json_atomic
+
+    path = tmp_path / "gpu_check.json"
+    write_json_atomic(str(path), {"phase": "one", "x": float("inf")})
+    assert json.loads(path.read_text()) == {"phase": "one", "x": "inf"}
+
+    class Unprintable:
+        def __str__(self):
+            raise RuntimeError("disk full midway")
+
+    with pytest.raises(RuntimeError, match="midway"):
+        write_json_atomic(str(path), {"phase": "two", "big": list(range(5000)), "bad": Unprintable()})
+    assert json.loads(path.read_text()) == {"phase": "one", "x": "inf"} and os.listdir(tmp_path) == ["gpu_check.json"]
+
+    assert gc.parse_phases("") == list(gc.PHASES)
+    assert gc.parse_phases("beta, smoke") == ["preflight", "smoke", "beta"]
+    with pytest.raises(ValueError, match="unknown phase.*gamma.*valid: preflight,smoke,beta,A,B,fp16"):
+        gc.parse_phases("beta,gamma")
+    env = dict(os.environ, GPU_CHECK_DRY="1", PYTHON=sys.executable, GPU_CHECK_PHASES="beta,gamma",
+               GPU_CHECK_WORK=str(tmp_path / "work"))
+    proc = subprocess.run(["bash", "tools/gpu_check.sh", str(tmp_path / "out")], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "gpu_check: FAILED" in proc.stderr
+    assert "unknown phase(s) gamma" in proc.stdout + proc.stderr
+
+
+def test_gpu_check_preflight_names_each_problem(tmp_path, monkeypatch):
+    """preflight in GPU mode on this CPU machine: the missing CUDA device, a failing import (with the wheels
+    gpu_check.sh installed), too little disk and the absent TE are each reported by name."""
+    import gpu_check
+    import gpu_check_measure as measure
+    import torch
+
+    monkeypatch.setattr(measure, "IMPORTS", ("yaml", "no_such_module_for_gpu_check"))  # megatron.core: the dry run
+    monkeypatch.setattr(measure, "MIN_FREE_GIB", {"gpu": 1e9, "dry": 0.0})
+    monkeypatch.setenv("GPU_CHECK_INSTALLED", "omegaconf-2.4.0-py3-none-any.whl ")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # also on a machine with a GPU
+    info = measure.preflight_info(str(tmp_path), str(tmp_path), dry=False)
+    problems = "\n".join(info["problems"])
+    assert len(info["problems"]) == 3, problems
+    assert "no CUDA device visible to torch" in problems and "GPU_CHECK_DRY=1" in problems
+    assert f"GiB free in the work dir {tmp_path}" in problems
+    assert "import no_such_module_for_gpu_check failed: ModuleNotFoundError" in problems
+    assert "omegaconf-2.4.0-py3-none-any.whl" in problems and info["wheels_installed"] == [
+        "omegaconf-2.4.0-py3-none-any.whl"]
+    assert info["imports"]["yaml"]["ok"] and info["transformer_engine"]["usable"] is False
+    notes = gpu_check.machine_notes("gpu")({"phases": {"preflight": {"measurements": info}}})
+    assert any(n.startswith("Transformer Engine GEMMs: ") for n in notes)
+    assert measure.preflight_info(str(tmp_path), str(tmp_path), dry=True)["problems"] == [
+        "import no_such_module_for_gpu_check failed: ModuleNotFoundError: No module named "
+        "'no_such_module_for_gpu_check' (installed from ./wheels: omegaconf-2.4.0-py3-none-any.whl)"]

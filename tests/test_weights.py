@@ -36,7 +36,56 @@ def _parity_worker(model_dir, tp, ep, etp=1):
         logits = forward_logits(model, _ids())
     full = comm.all_gather_cat(logits, -1, ps.get_tensor_model_parallel_group())
     exported = {k: v.clone() for k, v in export_hf_tensors(model, shape, include_tied_lm_head=False)}
-    return full, exported
+    return full, exported, push_twice(model, shape)
+
+
+COLLECTIVES = ("gather", "all_gather", "broadcast", "send", "recv", "send_object_list", "recv_object_list",
+               "broadcast_object_list", "all_gather_object")
+
+
+def push_twice(model, shape, dtype=torch.bfloat16):
+    """Two weight pushes through the sender path (``hf_tensors_on_rank0``), each with the collectives
+    this rank called through ``torch.distributed`` (name, dtype of the tensor it sent)."""
+    import torch.distributed as dist
+
+    from megatron_grpo.rollout.weight_sync import hf_tensors_on_rank0
+
+    calls, originals = [], {n: getattr(dist, n) for n in COLLECTIVES}
+
+    def spy(name, fn):
+        def wrapped(*args, **kwargs):
+            calls.append((name, args[0].dtype if args and torch.is_tensor(args[0]) else None))
+            return fn(*args, **kwargs)
+        return wrapped
+
+    for name, fn in originals.items():
+        setattr(dist, name, spy(name, fn))
+    pushes = []
+    try:
+        for _ in range(2):
+            start = len(calls)
+            pushed = {k: v.clone() for k, v in hf_tensors_on_rank0(model, shape, dtype)}
+            pushes.append((pushed, calls[start:]))
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
+    return pushes
+
+
+def check_pushes(pushes_by_rank, full, dtype=torch.bfloat16):
+    """Rank 0 receives every tensor, cast, on both pushes; no other rank ends up with one; shards are
+    cast before they are gathered; metadata (objects) crosses on the first push only."""
+    for rank, pushes in enumerate(pushes_by_rank):
+        for pushed, calls in pushes:
+            if rank > 0:
+                assert pushed == {}, rank
+                continue
+            assert set(pushed) == set(full)
+            for name, tensor in full.items():
+                assert pushed[name].dtype == dtype and torch.equal(pushed[name], tensor.to(dtype)), name
+        for pushed, calls in pushes:
+            assert all(dt in (None, dtype) for _, dt in calls), calls  # cast before every gather / send
+        assert not [c for c in pushes[1][1] if c[0].endswith("object_list")], "metadata sent again"
 
 
 def _check(results, model_dir, tol):
@@ -44,12 +93,13 @@ def _check(results, model_dir, tol):
 
     ref = _hf_logits(model_dir, _ids())
     original = load_file(os.path.join(model_dir, "model.safetensors"))
-    for logits, exported in results:
+    for logits, exported, _ in results:
         assert logits.shape == ref.shape
         assert (logits - ref).abs().max().item() <= tol
         assert set(exported) == set(original)
         for name, tensor in original.items():
             assert torch.equal(exported[name], tensor), name
+    check_pushes([pushes for _, _, pushes in results], original)
 
 
 @pytest.mark.parametrize("which, tol", [("dense", 1e-4), ("moe", 1e-3)])

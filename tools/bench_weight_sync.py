@@ -1,64 +1,87 @@
-"""Benchmark: Megatron -> vLLM weight push vs a plain in-memory copy of the same bytes.
+"""Benchmark: Megatron -> vLLM weight push per transport vs a plain in-memory copy of the same bytes.
 
-The push gathers shards, maps names, casts to the generator dtype and streams buckets
-into vLLM (``push_weights``); the baseline clones the same HF-named tensors in memory.
-Side by side in one run; prints the ratio last (goal <= 3x).
-Usage: python tools/bench_weight_sync.py [--model DIR] [--dtype float32] [--repeats 5]
+The push gathers shards, maps names, casts to the generator dtype and streams buckets into an
+offline vLLM engine (``push_weights``) through each ``generation.weight_transfer`` transport asked
+for (``file``: safetensors files under /dev/shm; ``gloo``: vLLM's weight-transfer API with our gloo
+engine); the baseline clones the same HF-named tensors in memory. Side by side in one run: seconds
+and bytes moved per push (median of ``--repeats``), and the ratio to the copy (goal <= 3x).
+Usage: python tools/bench_weight_sync.py [--model DIR | --hidden 1024 --layers 8] [--dtype float32] [--repeats 5]
+       [--transports file,gloo]
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
-import tempfile
 import time
 
 import torch
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--model", default=None, help="HF checkpoint dir (default: a fresh tiny Qwen3)")
-    parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--bucket-mb", type=float, default=64.0)
-    parser.add_argument("--repeats", type=int, default=5)
-    args = parser.parse_args()
-
-    from megatron_grpo.models import build_from_hf
-    from megatron_grpo.models.weights import export_hf_tensors
-    from megatron_grpo.parallel import state
+def bench_transport(model, shape, model_dir, dtype, transport: str, bucket_mb: float, repeats: int):
+    """(median seconds, bytes moved) per push into a fresh engine using ``transport`` (the first push,
+    which opens the transfer, is not timed)."""
     from megatron_grpo.rollout.vllm_engine import VLLMEngine
     from megatron_grpo.rollout.weight_sync import push_weights
 
-    model_dir = args.model
-    if model_dir is None:
-        from megatron_grpo.models.tiny import make_tiny_model
+    engine = VLLMEngine(model_dir, dtype, max_model_len=128, is_moe=shape.is_moe, weight_transfer=transport)
+    try:
+        push_weights(model, shape, engine, 0, dtype=dtype, bucket_mb=bucket_mb)  # warm-up (gloo: the handshake)
+        times, moved = [], 0
+        for version in range(1, repeats + 1):
+            sent_before = engine._transfer.bytes_sent if engine._transfer is not None else 0
+            start = time.perf_counter()
+            report = push_weights(model, shape, engine, version, dtype=dtype, bucket_mb=bucket_mb)
+            times.append(time.perf_counter() - start)
+            moved = (engine._transfer.bytes_sent - sent_before) if engine._transfer is not None else report.num_bytes
+    finally:
+        engine.close()
+    return statistics.median(times), moved
 
-        model_dir = make_tiny_model(tempfile.mkdtemp(prefix="bench-sync-"), "qwen3")
+
+def bench_copy(model, shape, dtype, repeats: int):
+    from megatron_grpo.models.weights import export_hf_tensors
+
+    times = []
+    for _ in range(repeats):
+        tensors = [t.to(dtype) for _, t in export_hf_tensors(model, shape)]
+        start = time.perf_counter()
+        copies = [t.clone() for t in tensors]
+        times.append(time.perf_counter() - start)
+        nbytes = sum(t.numel() * t.element_size() for t in copies)
+        del copies, tensors
+    return statistics.median(times), nbytes
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--model", default=None, help="HF checkpoint dir (default: a fresh tiny Qwen3)")
+    parser.add_argument("--hidden", type=int, default=None, help="without --model: a wider tiny Qwen3 (e.g. 1024)")
+    parser.add_argument("--layers", type=int, default=None, help="without --model: this many layers")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--bucket-mb", type=float, default=64.0)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--transports", default="file,gloo", help="comma-separated generation.weight_transfer values")
+    args = parser.parse_args()
+
+    from megatron_grpo.models import build_from_hf
+    from megatron_grpo.parallel import state
+
+    from bench_rollout import make_model  # tools/ is on sys.path when run as a script
+
+    model_dir = args.model or make_model(args)
     dtype = getattr(torch, args.dtype)
     state.initialize_model_parallel(state.Layout(world_size=1))
     model, shape = build_from_hf(model_dir)
-    engine = VLLMEngine(model_dir, dtype, max_model_len=128, is_moe=shape.is_moe)
-    try:
-        push_times, copy_times, nbytes = [], [], 0
-        for version in range(1, args.repeats + 1):
-            start = time.perf_counter()
-            report = push_weights(model, shape, engine, version, dtype=dtype, bucket_mb=args.bucket_mb)
-            push_times.append(time.perf_counter() - start)
-            nbytes = report.num_bytes
-            tensors = [t.to(dtype) for _, t in export_hf_tensors(model, shape)]
-            start = time.perf_counter()
-            copies = [t.clone() for t in tensors]
-            copy_times.append(time.perf_counter() - start)
-            del copies, tensors
-    finally:
-        engine.close()
-    push, copy = statistics.median(push_times), statistics.median(copy_times)
-    print(f"model={model_dir} dtype={args.dtype} bytes={nbytes / 2**20:.1f} MiB bucket={args.bucket_mb} MiB "
-          f"(median of {args.repeats})")
-    print(f"push into vLLM:     {push * 1e3:9.2f} ms")
-    print(f"plain memory copy:  {copy * 1e3:9.2f} ms")
-    print(f"ratio push / copy: {push / copy:.1f}x  (goal <= 3x)")
+    copy_s, copy_bytes = bench_copy(model, shape, dtype, args.repeats)
+    rows = [(t, *bench_transport(model, shape, model_dir, dtype, t, args.bucket_mb, args.repeats))
+            for t in args.transports.split(",")]
+    print(f"model={model_dir} dtype={args.dtype} weights={copy_bytes / 2**20:.2f} MiB bucket={args.bucket_mb} MiB "
+          f"(median of {args.repeats} pushes)")
+    print(f"{'transport':<22}{'ms / push':>12}{'MiB / push':>12}{'x copy':>9}")
+    print(f"{'plain memory copy':<22}{copy_s * 1e3:>12.2f}{copy_bytes / 2**20:>12.2f}{1.0:>9.1f}")
+    for name, seconds, moved in rows:
+        print(f"{name:<22}{seconds * 1e3:>12.2f}{moved / 2**20:>12.2f}{seconds / copy_s:>9.1f}")
 
 
 if __name__ == "__main__":

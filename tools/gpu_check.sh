@@ -1,19 +1,26 @@
 #!/usr/bin/env bash
 # The one prepared check for a single-H200 machine without network (Python 3.12, torch + CUDA,
-# safetensors / pyyaml preinstalled; no megatron-core, omegaconf, TE or vLLM).
-# Runs the real trainer (python -m megatron_grpo train) with generation.backend=megatron on a
-# random-init Qwen3-0.6B-shaped model: run A (bf16 autocast trainer, bf16 generator: beta = 0) and
-# run B (fp32 trainer vs bf16 generator: the write-up's mismatch), plus the fp32-vs-bf16/fp16 beta
-# by rarity bucket; prints beta, phantom clip fractions and step times (tools/gpu_check.py).
+# safetensors / pyyaml preinstalled; no megatron-core, omegaconf, TE or vLLM). Named phases, in order
+# (tools/gpu_check.py): preflight (versions, device, disk, wheels, imports; fails fast), smoke (one
+# bf16 train step of a tiny model), beta (fp32-vs-bf16/fp16 log-prob gaps by rarity bucket, and each
+# precision's error vs an fp64 forward), A (bf16 trainer + bf16 generator: beta = 0), B (fp32 trainer
+# vs bf16 generator: beta > 0) and fp16 (fp16 trainer + fp16 generator: beta = 0), each a real
+# `python -m megatron_grpo train` with generation.backend=megatron on a random-init Qwen3-0.6B-shaped
+# model. A phase that does not fit the remaining time is skipped (recorded), not started.
 #
 #   bash tools/fetch_gpu_wheels.sh                 # here, once (PyPI): fills ./wheels (~4 MB)
 #   bash tools/gpu_check.sh OUT_DIR                # there, with ./wheels carried; under 8 minutes
+#   GPU_CHECK_PHASES=preflight,smoke,beta bash tools/gpu_check.sh OUT_DIR   # a subset
 #   GPU_CHECK_DRY=1 bash tools/gpu_check.sh OUT    # CPU, tiny model, 2 steps per run (CI)
 #
-# OUT_DIR receives small files only: gpu_check.json, gpu_check.log, run_{A,B}.metrics.jsonl. The
-# checkpoint and run folders go to $GPU_CHECK_WORK (default: a new temporary folder; removed after a
-# dry run). Python: $PYTHON, else .venv/bin/python, else python3. Exit status 0 only when every
-# phase ran and every check held; otherwise non-zero with "gpu_check: FAILED: ..." printed.
+# The device run carries the working tree plus ./wheels: 64 MiB at most in all (the tree is ~2 MB;
+# fetch_gpu_wheels.sh refuses wheels that would not fit). OUT_DIR receives small files only:
+# gpu_check.json (rewritten atomically before and after each phase: a killed run leaves a valid
+# JSON of the phases done so far, its `not_measured` list says what was not measured and why),
+# gpu_check.log, run_{smoke,A,B,fp16}.metrics.jsonl. Checkpoints and run folders go to
+# $GPU_CHECK_WORK (default: a new temporary folder; removed after a dry run). Python: $PYTHON, else
+# .venv/bin/python, else python3. Exit status 0 only when every phase that ran is ok; otherwise
+# non-zero with "gpu_check: FAILED: ..." printed.
 set -euo pipefail
 out="${1:?usage: tools/gpu_check.sh OUT_DIR   (GPU_CHECK_DRY=1 for the CPU dry run)}"
 mkdir -p "$out"
@@ -56,6 +63,8 @@ if [ "${#missing[@]}" -gt 0 ]; then
   "$py" -m pip install -q --no-index --no-deps --no-compile --disable-pip-version-check --upgrade \
     --target "$site" "${files[@]}" || fail "pip could not install ${files[*]}"
   export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
+  GPU_CHECK_INSTALLED="$(for f in "${files[@]}"; do basename "$f"; done | tr '\n' ' ')"
+  export GPU_CHECK_INSTALLED  # preflight records which wheels were installed
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
@@ -66,10 +75,11 @@ if [ -z "$work" ]; then
 fi
 left=$((limit - SECONDS))
 rc=0
-timeout -k 10 "$left" "$py" tools/gpu_check.py --out "$out" --work "$work" --budget $((left - 10)) "${dry_flag[@]}" \
+timeout -k 10 "$left" "$py" tools/gpu_check.py --out "$out" --work "$work" --budget $((left - 10)) \
+  --phases "${GPU_CHECK_PHASES:-}" "${dry_flag[@]}" \
   2>&1 | tee "$out/gpu_check.log" || rc=$?
 if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then
-  fail "did not finish within $limit s (see $out/gpu_check.log)"
+  fail "did not finish within $limit s (see $out/gpu_check.log; $out/gpu_check.json holds the phases done)"
 elif [ "$rc" -ne 0 ]; then
   fail "tools/gpu_check.py exited with status $rc (the reasons are printed above; log: $out/gpu_check.log)"
 fi

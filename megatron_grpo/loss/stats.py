@@ -39,6 +39,17 @@ class StatSet:
             self.add_max(name, value)
         return self
 
+    def from_last_stage(self, device: torch.device) -> "StatSet":
+        """The last pipeline stage's sums and maxima on every stage, on ``device`` (PP = 1: self)."""
+        packed = {**{f"sum:{k}": v for k, v in self.sums.items()}, **{f"max:{k}": v for k, v in self.maxes.items()}}
+        got = comm.scalars_from_last_stage(packed, device)
+        if got is packed:
+            return self
+        out = StatSet()
+        out.sums = {k[4:]: v for k, v in got.items() if k.startswith("sum:")}
+        out.maxes = {k[4:]: v for k, v in got.items() if k.startswith("max:")}
+        return out
+
     def reduce(self, group=None) -> Tuple[Dict[str, torch.Tensor], Dict[str, torch.Tensor]]:
         """Global sums and maxima over ``group`` (one SUM and one MAX collective)."""
         return _reduce(self.sums, comm.all_reduce_sum, group), _reduce(self.maxes, comm.all_reduce_max, group)

@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
-from megatron_grpo.models.qwen3 import ModelShape, build_gpt_model, load_hf_config, shape_from_hf, transformer_config, unwrap
+from megatron_grpo.models.qwen3 import (ModelShape, build_gpt_model, load_hf_config, resolve_sequence_parallel,
+                                        sequence_multiple, sequence_parallel_disabled, shape_from_hf,
+                                        transformer_config, unwrap)
 
 
 def build_from_hf(model_dir: str, *, params_dtype: torch.dtype = torch.float32, router_dtype: str = "fp32",
                   backend: str = "auto", load_weights: bool = True, moe_aux_loss_coeff: float = 0.0,
-                  moe_z_loss_coeff: float = 0.0):
+                  moe_z_loss_coeff: float = 0.0, sequence_parallel: Optional[bool] = None):
     """Builds this rank's Megatron ``GPTModel`` for an HF Qwen3 checkpoint dir (parallel state must be set).
 
+    ``sequence_parallel``: ``policy.megatron_cfg.sequence_parallel`` (None = on when TP > 1).
     Returns ``(model, shape)``; the model holds the checkpoint's weights unless ``load_weights=False``.
     """
     from megatron.core import parallel_state as ps
@@ -20,16 +25,13 @@ def build_from_hf(model_dir: str, *, params_dtype: torch.dtype = torch.float32, 
 
     shape = shape_from_hf(load_hf_config(model_dir))
     tp = ps.get_tensor_model_parallel_world_size()
-    if shape.is_moe and tp > 1 and backend != "te":
-        raise ValueError("policy.megatron_cfg.tensor_model_parallel_size > 1 with a MoE model needs sequence "
-                         "parallelism, which Megatron's local (torch) norm does not support: use "
-                         "expert_model_parallel_size instead, or Transformer Engine on GPU")
     if shape.vocab_size % tp:
         raise ValueError(f"policy.megatron_cfg.tensor_model_parallel_size={tp} does not divide vocab_size={shape.vocab_size}")
     config = transformer_config(
         shape, params_dtype=params_dtype, tp=tp, pp=ps.get_pipeline_model_parallel_world_size(),
         ep=ps.get_expert_model_parallel_world_size(), etp=ps.get_expert_tensor_parallel_world_size(),
         router_dtype=router_dtype, moe_aux_loss_coeff=moe_aux_loss_coeff, moe_z_loss_coeff=moe_z_loss_coeff,
+        sequence_parallel=resolve_sequence_parallel(sequence_parallel, tp, shape),
     )
     model = build_gpt_model(shape, config, backend=backend)
     if load_weights:
@@ -38,10 +40,25 @@ def build_from_hf(model_dir: str, *, params_dtype: torch.dtype = torch.float32, 
 
 
 def forward_logits(model, input_ids: torch.Tensor) -> torch.Tensor:
-    """Causal forward of ``[B, S]`` ids (right-padded); returns this rank's logits ``[B, S, V/tp]``."""
+    """Causal forward of ``[B, S]`` ids (right-padded); returns this rank's logits ``[B, S, V/tp]``
+    (the output layer all-gathers the sequence under sequence parallelism). With SP, Megatron needs
+    S to be a multiple of TP: the ids are padded (repeating the last id; under the causal mask later
+    positions cannot change earlier ones) and the logits cut back to S."""
+    gpt = unwrap(model)
+    seq_len = input_ids.shape[1]
+    extra = -seq_len % sequence_multiple(gpt.config)
+    if extra and gpt.config.pipeline_model_parallel_size > 1:
+        raise ValueError(f"forward_logits: sequence length {seq_len} is not a multiple of "
+                         f"policy.megatron_cfg.tensor_model_parallel_size={gpt.config.tensor_model_parallel_size} "
+                         f"with sequence parallelism and pipeline parallelism (the pipeline's buffers are sized "
+                         f"from the batch's length): pad the batch to a multiple of TP")
+    if extra:
+        input_ids = torch.cat([input_ids, input_ids[:, -1:].expand(-1, extra)], dim=1)
     positions = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0).expand_as(input_ids)
-    return model(input_ids, positions, None)
+    logits = model(input_ids, positions, None)
+    return logits[:, :seq_len] if extra else logits
 
 
-__all__ = ["ModelShape", "build_from_hf", "build_gpt_model", "forward_logits", "load_hf_config", "shape_from_hf",
+__all__ = ["ModelShape", "build_from_hf", "build_gpt_model", "forward_logits", "load_hf_config",
+           "resolve_sequence_parallel", "sequence_multiple", "sequence_parallel_disabled", "shape_from_hf",
            "transformer_config", "unwrap"]

@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 from dataclasses import dataclass
-from typing import Any, Dict
+from typing import Any, Dict, Optional
 
 import torch
 
-from megatron_grpo.models.spec import layer_spec
+from megatron_grpo.models.spec import model_spec
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +79,32 @@ def shape_from_hf(cfg: Dict[str, Any]) -> ModelShape:
     return shape
 
 
+SEQUENCE_PARALLEL_KEY = "policy.megatron_cfg.sequence_parallel"
+
+
+def resolve_sequence_parallel(sequence_parallel: Optional[bool], tp: int, shape: ModelShape) -> bool:
+    """Whether the model runs with sequence parallelism: ``None`` (the default) = on when
+    ``tp > 1``. MoE with TP > 1 needs it (Megatron-Core's MoE layer refuses to train without);
+    at TP = 1 it does nothing (a warning says so)."""
+    if sequence_parallel is None:
+        return tp > 1
+    if tp == 1:
+        if sequence_parallel:
+            logger.warning("%s=true has no effect with tensor_model_parallel_size=1", SEQUENCE_PARALLEL_KEY)
+        return False
+    if not sequence_parallel and shape.is_moe:
+        raise ValueError(f"{SEQUENCE_PARALLEL_KEY}=false with a MoE model and "
+                         f"policy.megatron_cfg.tensor_model_parallel_size={tp}: Megatron-Core's MoE layer needs "
+                         f"sequence parallelism to train with TP > 1; leave it null (on for TP > 1) or true")
+    return bool(sequence_parallel)
+
+
+def sequence_multiple(config) -> int:
+    """The multiple a forward's sequence length must be: TP with sequence parallelism (the
+    sequence is split over the TP ranks), else 1."""
+    return config.tensor_model_parallel_size if config.sequence_parallel else 1
+
+
 def transformer_config(shape: ModelShape, *, params_dtype: torch.dtype = torch.float32, tp: int = 1, pp: int = 1,
                        ep: int = 1, etp: int = 1, router_dtype: str = "fp32", moe_aux_loss_coeff: float = 0.0,
                        moe_z_loss_coeff: float = 0.0, sequence_parallel: bool = False):
@@ -117,7 +144,7 @@ def build_gpt_model(shape: ModelShape, config, *, backend: str = "auto"):
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.module import Float16Module
 
-    spec, chosen = layer_spec(shape.num_experts, backend)
+    spec, chosen = model_spec(config, shape.num_experts, backend)
     model = GPTModel(
         config=config, transformer_layer_spec=spec, vocab_size=shape.vocab_size,
         max_sequence_length=shape.max_position_embeddings,
@@ -132,6 +159,32 @@ def build_gpt_model(shape: ModelShape, config, *, backend: str = "auto"):
     if config.bf16 or config.fp16:
         model = Float16Module(config, model)
     return model
+
+
+SEQUENCE_PARALLEL_ATTRS = ("sequence_parallel", "scatter_to_sequence_parallel", "reduce_scatter_embeddings")
+"""The module attributes Megatron's ``set_model_to_sequence_parallel`` switches (``transformer/utils.py``)."""
+
+
+@contextlib.contextmanager
+def sequence_parallel_disabled(model):
+    """The enclosed forwards run without sequence parallelism (every TP rank holds the whole
+    sequence), as Megatron-Core's inference runs its non-MoE layers: a KV-cached decode step of one
+    token cannot be split over TP ranks. Eval mode only for MoE (its layer refuses to *train* with
+    TP > 1 without SP). Every attribute switched off is switched back on afterwards."""
+    gpt = unwrap(model)
+    if not gpt.config.sequence_parallel:
+        yield
+        return
+    switched = [(m, a) for m in gpt.modules() for a in SEQUENCE_PARALLEL_ATTRS if getattr(m, a, None) is True]
+    for module, attr in switched:
+        setattr(module, attr, False)
+    gpt.config.sequence_parallel = False  # one config object, shared by every submodule
+    try:
+        yield
+    finally:
+        gpt.config.sequence_parallel = True
+        for module, attr in switched:
+            setattr(module, attr, True)
 
 
 def unwrap(model):

@@ -12,6 +12,12 @@ uses ``moe_router_dtype`` (fp32/fp64, autocast off), the shadow forward the gene
 router precision (vLLM's Qwen3-MoE gate is a plain linear layer in the model dtype).
 
 Routes are int16 tensors ``[B, S, L, k]`` (batch, position, this stage's MoE layers, top-k).
+
+Sequence parallelism: each TP rank's routers see only its shard of the sequence (positions
+``[r S/tp, (r+1) S/tp)`` of every row, S padded to a multiple of TP as ``forward_logits`` pads
+it). ``take`` all-gathers the shards over TP, so every TP rank holds the record of every
+position, in order (routing metrics, reduced over DP only, count each position once); replay
+hands each rank's taps only its shard of the targets.
 """
 
 from __future__ import annotations
@@ -19,9 +25,11 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections import deque
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import torch
+
+from megatron_grpo.parallel import comm
 
 ROUTE_DTYPE = torch.int16
 
@@ -84,6 +92,7 @@ class Routing:
         self.routers = sorted(routers, key=lambda r: r.layer_number or 0)
         self.layer_numbers = [int(r.layer_number) for r in self.routers]
         """1-based global layer numbers of this stage's MoE layers."""
+        self.config = unwrap(model).config
         self.train_dtype, self.shadow_dtype = train_dtype, shadow_dtype
         self.router_dtype = train_dtype
         self.taps = [RouteTap() for _ in self.routers]
@@ -110,20 +119,43 @@ class Routing:
                 tap.recording = tap.replay = False
                 tap.targets.clear()
 
+    def _sequence_shards(self) -> Tuple[Optional[object], int, int]:
+        """(TP group, TP size, TP rank) when the forwards split the sequence over TP, else (None, 1, 0)."""
+        from megatron.core import parallel_state as ps
+
+        from megatron_grpo.models.qwen3 import sequence_multiple
+
+        tp = sequence_multiple(self.config)
+        if tp == 1:
+            return None, 1, 0
+        return ps.get_tensor_model_parallel_group(), tp, ps.get_tensor_model_parallel_rank()
+
     def _queue(self, targets: torch.Tensor, micro_batch_size: int) -> None:
         if targets.shape[2] != len(self.taps):
             raise ValueError(f"routing replay: {targets.shape[2]} layers of routing for {len(self.taps)} MoE layers")
+        _, tp, rank = self._sequence_shards()
+        targets = _pad_positions(targets, -targets.shape[1] % tp)  # padded positions (-1): natural routing
         for start in range(0, targets.shape[0], micro_batch_size):
             for layer, tap in enumerate(self.taps):
-                tap.targets.append(to_router_order(targets[start : start + micro_batch_size, :, layer]))
+                routes = to_router_order(targets[start : start + micro_batch_size, :, layer])
+                shard = routes.shape[0] // tp  # router order is position-major: rank r's shard is contiguous
+                tap.targets.append(routes[rank * shard : (rank + 1) * shard])
 
     def take(self, seq_len: int, which: str = "used") -> torch.Tensor:
         """The routing recorded since ``forward`` began (``used`` or ``natural``), forwards
-        concatenated along the batch: ``[B, S, L, k]``."""
-        calls = list(zip(*[getattr(tap, which) for tap in self.taps]))
+        concatenated along the batch: ``[B, S, L, k]``. Collective over TP with sequence parallelism
+        (the shards of every position, gathered once)."""
+        calls = [torch.stack(layers, dim=1) for layers in zip(*[getattr(tap, which) for tap in self.taps])]
         if not calls:
             raise RuntimeError("routing: nothing recorded (no forward ran inside Routing.forward)")
-        return torch.cat([torch.stack([from_router_order(c, seq_len) for c in layers], dim=2) for layers in calls])
+        group, tp, _ = self._sequence_shards()
+        sizes = [c.shape[0] for c in calls]  # routed tokens per forward on this rank: [s/tp * b, L, k]
+        shards = comm.all_gather_cat(torch.cat(calls).to(torch.int32), 0, group)
+        shards = shards.view(tp, sum(sizes), *calls[0].shape[1:])  # [TP rank, this rank's tokens, L, k]
+        padded = seq_len + (-seq_len % tp)
+        out = [from_router_order(part.reshape(-1, *part.shape[2:]), padded)[:, :seq_len]
+               for part in shards.split(sizes, dim=1)]  # ranks in order: positions in order
+        return torch.cat(out).to(ROUTE_DTYPE)
 
 
 def to_router_order(routes: torch.Tensor) -> torch.Tensor:
@@ -132,11 +164,18 @@ def to_router_order(routes: torch.Tensor) -> torch.Tensor:
 
 
 def from_router_order(routes: torch.Tensor, seq_len: int) -> torch.Tensor:
-    """``[s * b, k]`` -> ``[b, s, k]``."""
+    """``[s * b, ...]`` -> ``[b, s, ...]``."""
     if routes.shape[0] % seq_len:
         raise ValueError(f"routing: {routes.shape[0]} routed tokens is not a multiple of sequence length {seq_len} "
-                         "(sequence/context parallel MoE routing is not recorded)")
-    return routes.view(seq_len, -1, routes.shape[-1]).transpose(0, 1)
+                         "(context parallel MoE routing is not recorded)")
+    return routes.view(seq_len, -1, *routes.shape[1:]).transpose(0, 1)
+
+
+def _pad_positions(routes: torch.Tensor, extra: int) -> torch.Tensor:
+    """``[B, S, ...]`` -> ``[B, S + extra, ...]``, the new positions -1 (no routing to replay)."""
+    if not extra:
+        return routes
+    return torch.cat([routes, routes.new_full((routes.shape[0], extra, *routes.shape[2:]), -1)], dim=1)
 
 
 def same_experts(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -28,10 +28,12 @@ def te_usable() -> bool:
     return True
 
 
-def layer_spec(num_experts: int | None, backend: str = "auto"):
+def layer_spec(num_experts: int | None, backend: str = "auto", sequence_parallel: bool = False):
     """The GPT layer spec for Qwen3 (RMSNorm, QK-norm, SwiGLU, optional MoE).
 
-    ``backend``: ``auto`` (TE if usable), ``te`` (error if not usable) or ``local``.
+    ``backend``: ``auto`` (TE if usable), ``te`` (error if not usable) or ``local``. With
+    ``sequence_parallel`` the local spec's norms are ``SequenceParallelRMSNorm`` (Megatron's
+    ``WrappedTorchNorm`` refuses SP); TE's norms support SP as they are.
     """
     from megatron.core.models.gpt import gpt_layer_specs as specs
 
@@ -45,7 +47,35 @@ def layer_spec(num_experts: int | None, backend: str = "auto"):
         logger.info("layer spec: Transformer Engine (TE GEMMs)")
         return specs.get_gpt_layer_with_transformer_engine_spec(num_experts=experts, qk_layernorm=True), "te"
     logger.info("layer spec: Megatron-Core local (torch layers)")
-    return specs.get_gpt_layer_local_spec(num_experts=experts, qk_layernorm=True, normalization="RMSNorm"), "local"
+    spec = specs.get_gpt_layer_local_spec(num_experts=experts, qk_layernorm=True, normalization="RMSNorm")
+    if sequence_parallel:
+        _use_sequence_parallel_norms(spec)
+    return spec, "local"
+
+
+def _use_sequence_parallel_norms(spec) -> None:
+    """The local layer spec's four norms (input, pre-MLP, QK) -> ``SequenceParallelRMSNorm``."""
+    from megatron_grpo.models.norm import SequenceParallelRMSNorm
+
+    layer = spec.submodules
+    layer.input_layernorm = layer.pre_mlp_layernorm = SequenceParallelRMSNorm
+    attention = layer.self_attention.submodules
+    attention.q_layernorm = attention.k_layernorm = SequenceParallelRMSNorm
+
+
+def model_spec(config, num_experts: int | None, backend: str = "auto"):
+    """What ``GPTModel`` takes as ``transformer_layer_spec``, and the backend chosen: the layer spec,
+    or with local layers and sequence parallelism the block's submodules, whose final norm is then
+    ``SequenceParallelRMSNorm`` too (for a bare layer spec Megatron picks ``WrappedTorchNorm``)."""
+    spec, chosen = layer_spec(num_experts, backend, sequence_parallel=config.sequence_parallel)
+    if chosen != "local" or not config.sequence_parallel:
+        return spec, chosen
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+
+    from megatron_grpo.models.norm import SequenceParallelRMSNorm
+
+    layers = [spec] * get_num_layers_to_build(config)
+    return TransformerBlockSubmodules(layer_specs=layers, layer_norm=SequenceParallelRMSNorm), chosen
 
 
 def resolve_backend(backend: str, compute_dtype: torch.dtype) -> str:

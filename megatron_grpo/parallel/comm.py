@@ -7,7 +7,7 @@ the identity, i.e. the single-process computation.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Dict, Optional
 
 import torch
 import torch.distributed as dist
@@ -133,12 +133,80 @@ def tensor_from_last_stage(tensor: Optional[torch.Tensor], shape, dtype: torch.d
     return buf.to(device)
 
 
+def scalars_from_last_stage(values: Dict[str, torch.Tensor], device: torch.device) -> Dict[str, torch.Tensor]:
+    """The last pipeline stage's named float64 scalars on every stage of this rank's pipeline, on
+    ``device`` (the other stages pass anything, e.g. ``{}``; PP = 1: ``values``). The names travel as
+    metadata, the values as one tensor broadcast on the group's device: a pickled CUDA tensor would
+    be unpickled onto the *sender's* device index on every receiver."""
+    group = pipeline_group()
+    if group_size(group) == 1:
+        return values
+    src, is_last = _last_stage_source()
+    names = object_from_last_stage(sorted(values) if is_last else None)
+    if not names:
+        return {}
+    target = collective_device(device, group)
+    if is_last:
+        buf = torch.stack([values[n].detach().to(device=target, dtype=torch.float64).reshape(()) for n in names])
+    else:
+        buf = torch.empty(len(names), dtype=torch.float64, device=target)
+    dist.broadcast(buf, src=src, group=group)
+    return dict(zip(names, buf.to(device).unbind(0)))
+
+
 def object_from_last_stage(obj):
-    """A picklable object of the last pipeline stage on every stage (PP = 1: ``obj``)."""
+    """A picklable object of the last pipeline stage on every stage (PP = 1: ``obj``). Metadata only
+    (names, strings, numbers): tensors go through ``tensor_from_last_stage`` / ``scalars_from_last_stage``."""
     group = pipeline_group()
     if group_size(group) == 1:
         return obj
     src, _ = _last_stage_source()
     box = [obj]
     dist.broadcast_object_list(box, src=src, group=group)
+    return box[0]
+
+
+# ---- point-to-point and rooted collectives (the weight push: full tensors only where they are sent) ------
+
+
+def group_ranks(group) -> list:
+    """The global ranks of ``group``'s members (``[this rank]`` when not distributed)."""
+    if not _active(group):
+        return [dist.get_rank() if dist.is_available() and dist.is_initialized() else 0]
+    return dist.get_process_group_ranks(group)
+
+
+def gather_to(tensor: torch.Tensor, dst_global_rank: int, group=None) -> Optional[list]:
+    """``[tensor of group rank 0, ...]`` on global rank ``dst_global_rank`` (a member of ``group``),
+    None elsewhere: unlike ``all_gather_cat`` only the destination ever holds the full set."""
+    if not _active(group):
+        return [tensor]
+    device = collective_device(tensor.device, group)
+    send = tensor.detach().to(device).contiguous()
+    parts = [torch.empty_like(send) for _ in range(dist.get_world_size(group))] if dist.get_rank() == dst_global_rank \
+        else None
+    dist.gather(send, parts, dst=dst_global_rank, group=group)
+    return None if parts is None else [p.to(tensor.device) for p in parts]
+
+
+def send_tensor(tensor: torch.Tensor, dst_global_rank: int) -> None:
+    """Point-to-point send over the default group (on the backend's device)."""
+    dist.send(tensor.detach().to(collective_device(tensor.device)).contiguous(), dst=dst_global_rank)
+
+
+def recv_tensor(shape, dtype: torch.dtype, src_global_rank: int, device: torch.device) -> torch.Tensor:
+    """Receives a tensor of ``shape`` / ``dtype`` sent by ``send_tensor``; returns it on ``device``."""
+    buf = torch.empty(shape, dtype=dtype, device=collective_device(device))
+    dist.recv(buf, src=src_global_rank)
+    return buf.to(device)
+
+
+def send_object(obj, dst_global_rank: int) -> None:
+    """Sends picklable metadata (no tensors) point-to-point."""
+    dist.send_object_list([obj], dst=dst_global_rank)
+
+
+def recv_object(src_global_rank: int):
+    box = [None]
+    dist.recv_object_list(box, src=src_global_rank)
     return box[0]

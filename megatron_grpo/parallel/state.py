@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Optional
 
 import torch
@@ -59,26 +60,37 @@ def validate_layout(layout: Layout, *, num_layers: Optional[int] = None, num_exp
         raise ValueError(f"{prefix}.tensor_model_parallel_size={layout.tp} does not divide num_key_value_heads={num_query_groups}")
 
 
-def init_distributed(backend: Optional[str] = None) -> None:
-    """Initialises the default process group from torchrun's env, or as a 1-process group."""
+DEFAULT_TIMEOUT_MINUTES = 30.0
+"""Collective timeout when the caller names none (``cluster.distributed_timeout_minutes``' default)."""
+
+
+def init_distributed(backend: Optional[str] = None, timeout_minutes: Optional[float] = None) -> None:
+    """Initialises the default process group from torchrun's env, or as a 1-process group, with a
+    collective timeout of ``timeout_minutes`` (rank 0 alone may start vLLM or score for minutes)."""
     cpu.install()
     if dist.is_initialized():
         return
     if cpu.cuda_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    timeout = timedelta(minutes=timeout_minutes or DEFAULT_TIMEOUT_MINUTES)
     if "RANK" in os.environ:  # torchrun (or a launcher that sets the env:// variables)
-        dist.init_process_group(backend=backend or cpu.default_backend())
+        dist.init_process_group(backend=backend or cpu.default_backend(), timeout=timeout)
         return
     # a single process: an in-memory store, so nothing listens on any network interface (a TCP
     # store binds every interface whatever its URL says), and no RANK/MASTER_PORT is exported
-    dist.init_process_group(backend=backend or cpu.default_backend(), store=dist.HashStore(), rank=0, world_size=1)
+    dist.init_process_group(backend=backend or cpu.default_backend(), store=dist.HashStore(), rank=0, world_size=1,
+                            timeout=timeout)
 
 
-def initialize_model_parallel(layout: Layout, seed: int = 1234) -> None:
-    """``parallel_state.initialize_model_parallel`` for ``layout`` plus the RNG streams."""
+def initialize_model_parallel(layout: Layout, seed: int = 1234, timeout_minutes: Optional[float] = None,
+                              create_gloo_process_groups: Optional[bool] = None) -> None:
+    """``parallel_state.initialize_model_parallel`` for ``layout`` plus the RNG streams; Megatron's
+    groups get the collective timeout ``timeout_minutes`` too. Megatron's extra gloo copies of the
+    data-parallel groups are created on CPU only (``create_gloo_process_groups=None``; on CUDA they
+    would be idle duplicates of the NCCL groups): ``has_gloo_groups`` tells the optimizer."""
     from megatron.core import parallel_state as ps
 
-    init_distributed()
+    init_distributed(timeout_minutes=timeout_minutes)
     if layout.world_size != dist.get_world_size():
         raise ValueError(f"layout is for {layout.world_size} ranks but the world has {dist.get_world_size()}")
     validate_layout(layout)
@@ -90,11 +102,27 @@ def initialize_model_parallel(layout: Layout, seed: int = 1234) -> None:
         context_parallel_size=layout.cp,
         expert_model_parallel_size=layout.ep,
         expert_tensor_parallel_size=layout.etp,
-        create_gloo_process_groups=not cpu.cuda_available(),
+        distributed_timeout_minutes=timeout_minutes or DEFAULT_TIMEOUT_MINUTES,  # a timedelta there: floats work
+        create_gloo_process_groups=(not cpu.cuda_available() if create_gloo_process_groups is None
+                                    else create_gloo_process_groups),
     )
     cpu.model_parallel_seed(seed)
     logger.info("parallel layout: world=%d tp=%d pp=%d cp=%d ep=%d etp=%d dp=%d", layout.world_size, layout.tp,
                 layout.pp, layout.cp, layout.ep, layout.etp, layout.dp)
+
+
+def has_gloo_groups() -> bool:
+    """Megatron's gloo data-parallel groups (dense and expert) exist: what ``get_megatron_optimizer``
+    must be told (``use_gloo_process_groups``; it asserts on missing ones). Asks Megatron's
+    ``parallel_state`` itself, so it holds however the groups were initialised."""
+    from megatron.core import parallel_state as ps
+
+    try:
+        groups = (ps.get_data_parallel_group_gloo(with_context_parallel=True, partial_data_parallel=True),
+                  ps.get_expert_data_parallel_group_gloo(partial_expert_data_parallel=True))
+    except AssertionError:  # "... group-gloo is not initialized"
+        return False
+    return all(group is not None for group in groups)
 
 
 def destroy() -> None:

@@ -8,22 +8,21 @@ load concurrently:
   hard-linked once per engine. Each engine's worker reads its link and unlinks it, so the bytes
   are freed when the last engine has read them: one write, N concurrent reads. At most
   ``max_in_flight`` buckets are unread at a time (memory stays ~2 buckets, not the model).
-- CUDA IPC (colocated engines on the trainer's GPU; not implemented): ``publish`` would return
-  one IPC handle of the gathered bucket's device buffer per engine (``torch.multiprocessing``
-  reductions), the engines' worker extension would rebuild the tensors from the handle and
-  copy them in; no host copy at all. Same ``publish``/``wait_for_room``/``abandon`` seam.
-- NCCL broadcast (dedicated engines on other GPUs or nodes; not implemented): a process group
-  of trainer rank 0 plus every engine's TP workers, made once at start; ``publish`` would
-  broadcast the bucket's flat buffer (plus its names and shapes, sent ahead) and each engine's
-  worker extension would receive and load it: one send, N receives, on the wire.
+  The folder must hold ``max_in_flight`` buckets: before each write its free space is checked
+  (``os.statvfs``); a full /dev/shm (Docker gives 64 MiB) falls back to the temp dir on disk
+  with a warning, and an error names both folders and sizes when neither fits.
+- vLLM's weight-transfer API (``generation.weight_transfer`` gloo / nccl / ipc: ``transfer.py``):
+  each engine streams the buckets itself; ``fan_out_streams`` hands every bucket to every
+  engine's stream (one thread each).
 
-``fan_out`` drives any of them: one thread per engine feeds that engine's bucket handles in
+``fan_out`` drives the files: one thread per engine feeds that engine's bucket handles in
 order, so a slow engine never stalls the gather, and a dead engine is dropped from the push
 (and its unread buckets freed) while the others finish theirs.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import queue
 import tempfile
@@ -35,7 +34,45 @@ from typing import Callable, Iterable, List, Sequence, Tuple
 import torch
 
 
+logger = logging.getLogger(__name__)
+
 Bucket = List[Tuple[str, torch.Tensor]]
+
+SAFETENSORS_HEADER_SLACK = 1 << 20
+"""Bytes allowed per bucket file beyond its tensors (the JSON header: names, shapes, offsets)."""
+
+
+def bucket_bytes(bucket: Bucket) -> int:
+    return sum(t.numel() * t.element_size() for _, t in bucket)
+
+
+def free_bytes(folder: str) -> int:
+    """Bytes an unprivileged writer may still put in ``folder``'s file system."""
+    st = os.statvfs(folder)
+    return st.f_bavail * st.f_frsize
+
+
+def pick_folder(preferred: str, needed: int, fallback: str = None) -> str:
+    """``preferred`` when it has ``needed`` bytes free, else ``fallback`` (the temp dir on disk) with a
+    warning; ``RuntimeError`` naming both folders and the sizes when neither has room."""
+    fallback = fallback or tempfile.gettempdir()
+    have = free_bytes(preferred)
+    if have >= needed:
+        return preferred
+    if os.path.realpath(fallback) != os.path.realpath(preferred):
+        spare = free_bytes(fallback)
+        if spare >= needed:
+            logger.warning("weight push: %s has %.1f MiB free, the push needs %.1f MiB (bucket x "
+                           "max_in_flight); writing bucket files to %s instead (slower: on disk)", preferred,
+                           have / 2**20, needed / 2**20, fallback)
+            return fallback
+        raise RuntimeError(f"weight push: no room for the bucket files: {preferred} has {have / 2**20:.1f} MiB free "
+                           f"and {fallback} {spare / 2**20:.1f} MiB, the push needs {needed / 2**20:.1f} MiB "
+                           "(bucket x max_in_flight); lower generation.weight_push_bucket_mb or free space")
+    raise RuntimeError(f"weight push: no room for the bucket files: {preferred} has {have / 2**20:.1f} MiB free, the "
+                       f"push needs {needed / 2**20:.1f} MiB (bucket x max_in_flight); lower "
+                       "generation.weight_push_bucket_mb or free space")
+
 
 class SharedFileFanout:
     """Publishes each bucket once as a file under ``folder`` (default /dev/shm), linked once per reader.
@@ -46,13 +83,17 @@ class SharedFileFanout:
 
     def __init__(self, num_readers: int, folder: str = None, max_in_flight: int = 2, poll_s: float = 0.002):
         self.num_readers, self.max_in_flight, self.poll_s = num_readers, max_in_flight, poll_s
-        self.folder = folder or ("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
+        self.preferred = folder or ("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
+        self.folder = self.preferred
         self._published: List[List[str]] = []
         self._count = 0
         self.bytes_written = 0
 
     def publish(self, bucket: Bucket) -> List[str]:
-        """Writes ``bucket`` once; returns one path per reader (hard links of that file)."""
+        """Writes ``bucket`` once; returns one path per reader (hard links of that file). The folder
+        is chosen per bucket (``pick_folder``): room for this bucket and the others in flight."""
+        needed = (bucket_bytes(bucket) + SAFETENSORS_HEADER_SLACK) * self.max_in_flight
+        self.folder = pick_folder(self.folder, needed)  # after a fallback (warned once) stays on the fallback
         fd, base = tempfile.mkstemp(prefix="megatron-grpo-bucket-", suffix=".safetensors", dir=self.folder)
         os.close(fd)
         try:
@@ -152,6 +193,59 @@ def fan_out(buckets: Iterable[Bucket], engines: Sequence, version: int, *, names
             for fut in futures:
                 fut.result()
             fanout.close()
+    _raise_first(errors, names)
+    return pushed
+
+
+def fan_out_streams(buckets: Iterable[Bucket], engines: Sequence, version: int, *,
+                    names: Callable[[int], str] = None) -> List[str]:
+    """Pushes ``buckets`` to engines that stream them themselves (``engine.update_weights(stream,
+    version)``: vLLM's weight-transfer API), one thread per engine, each bucket handed to every
+    live engine. Consumed completely whatever fails; the first error is re-raised after all have
+    finished, with ``engine_index`` set (and the engine named)."""
+    feeds = [queue.Queue(maxsize=2) for _ in engines]
+    errors: List[BaseException] = [None] * len(engines)
+    done = [threading.Event() for _ in engines]
+    pushed: List[str] = []
+
+    def stream(r: int):
+        item = feeds[r].get()
+        while item is not None:
+            yield item
+            item = feeds[r].get()
+
+    def run(r: int) -> None:
+        try:
+            engines[r].update_weights(stream(r), version)
+        except BaseException as exc:  # noqa: BLE001 - reported after the push
+            errors[r] = exc
+        finally:
+            done[r].set()
+
+    def hand(r: int, item) -> None:
+        while not done[r].is_set():
+            try:
+                return feeds[r].put(item, timeout=0.05)
+            except queue.Full:
+                continue
+
+    with ThreadPoolExecutor(max_workers=len(engines), thread_name_prefix="weight-stream") as pool:
+        futures = [pool.submit(run, r) for r in range(len(engines))]
+        try:
+            for bucket in buckets:
+                pushed.extend(name for name, _ in bucket)
+                for r in range(len(engines)):
+                    hand(r, bucket)
+        finally:
+            for r in range(len(engines)):
+                hand(r, None)
+            for fut in futures:
+                fut.result()
+    _raise_first(errors, names)
+    return pushed
+
+
+def _raise_first(errors: List[BaseException], names: Callable[[int], str] = None) -> None:
     for r, exc in enumerate(errors):
         if exc is not None:
             exc.engine_index = r
@@ -159,7 +253,6 @@ def fan_out(buckets: Iterable[Bucket], engines: Sequence, version: int, *, names
                 exc.engine_name = names(r)
                 exc.args = (f"{names(r)}: {exc}",) + tuple(exc.args[1:])
             raise exc
-    return pushed
 
 
 def _alive(engine) -> bool:

@@ -153,11 +153,14 @@ class MegatronEngine(RolloutEngine):
 
     @contextlib.contextmanager
     def _inference_mode(self):
-        """No grad, and eval mode (Megatron uses the KV cache only outside training mode)."""
+        """No grad, and eval mode (Megatron uses the KV cache only outside training mode); no sequence
+        parallelism (a one-token decode step cannot be split over TP ranks)."""
+        from megatron_grpo.models import sequence_parallel_disabled
+
         was_training = self.model.training
         self.model.eval()
         try:
-            with torch.no_grad():
+            with torch.no_grad(), sequence_parallel_disabled(self.model):
                 yield
         finally:
             self.model.train(was_training)

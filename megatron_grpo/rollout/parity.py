@@ -9,6 +9,11 @@ on both sides. The first probe records the baseline gap; later probes fail when 
 the max |diff| grows past ``growth`` x the baseline (and past the absolute floors), so the
 check is relative to what this model and these kernels give, not a constant tuned on one
 model.
+
+Engines pushed through vLLM's weight-transfer API also answer ``weight_version`` (``/weight_info``)
+and ``weight_checksums`` (``/weight_checker``): the probe first checks that each holds the version
+pushed and that its checksums equal the trainer's own of the pushed tensors that vLLM keeps as
+they are (``transfer.compare_checksums``); a mismatch names the engine and the tensor.
 """
 
 from __future__ import annotations
@@ -90,6 +95,7 @@ def check_parity(engine, probe: ProbeBatch, trainer_scores: Callable[[ProbeBatch
     once, the trainer; raises ``ParityError`` naming the first replica whose mean or max |diff|
     exceeds its limit (``limits``). Returns the worst replica's diffs and, with a baseline, their
     ratio to it (``sync/logprob_diff_vs_baseline``)."""
+    check_weights(engine, version)
     ours = trainer_scores(probe)
     replicas = getattr(engine, "score_replicas", None)
     scored = replicas(probe.sequences, probe.prompt_lens) if replicas else [
@@ -106,6 +112,30 @@ def check_parity(engine, probe: ProbeBatch, trainer_scores: Callable[[ProbeBatch
         base = baseline["sync/logprob_abs_diff_mean"]
         metrics["sync/logprob_diff_vs_baseline"] = metrics["sync/logprob_abs_diff_mean"] / base if base > 0 else math.nan
     return metrics
+
+
+def check_weights(engine, version: int) -> int:
+    """Each engine that can say (``weight_version``, ``weight_checksums``) holds ``version`` and the
+    pushed bytes: ``ParityError`` naming the engine and the first differing tensor. Returns the
+    number of tensors compared (0 for engines without checksums, e.g. the file transport)."""
+    from megatron_grpo.rollout.transfer import compare_checksums
+
+    engines = getattr(engine, "engines", None)
+    named = [(engine.name(i), e) for i, e in enumerate(engines)] if engines is not None else [("the generator", engine)]
+    total = 0
+    for who, e in named:
+        ours = getattr(e, "pushed_digests", None)
+        if not ours or not hasattr(e, "weight_checksums"):
+            continue
+        reported = e.weight_version()
+        if reported != str(version):
+            raise ParityError(f"{who} reports weights version {reported!r} after the push of version {version}")
+        compared, mismatch = compare_checksums(e.weight_checksums(), ours)
+        if mismatch is not None:
+            raise ParityError(f"{who}: checksum of {mismatch} after the push of version {version} differs from the "
+                              "tensor the trainer sent (a tensor loaded into the wrong parameter, or not loaded)")
+        total += compared
+    return total
 
 
 def parity_message(metrics: Dict[str, float], limit: Tuple[float, float], pushed_names: Sequence[str], version: int,

@@ -6,8 +6,9 @@
   number of engines (an engine's shard starting at prompt s gets base seed seed + s * n).
 - Versions: each engine carries the version of the weights it last loaded, and each rollout
   the version of the engine that made it; the trainer's staleness gate reads the oldest.
-- Weights: one gather, fan-out push (``fanout.fan_out``): each bucket is published once and
-  every engine loads it concurrently. A push goes to the engines that are not at the target
+- Weights: one gather, fan-out push: each bucket is published once (``fanout.fan_out``, files)
+  or handed to every engine's own stream (``fanout.fan_out_streams``, vLLM's weight-transfer
+  API), and every engine loads it concurrently. A push goes to the engines that are not at the target
   version yet (after a restart: only the restarted ones), or to all when all already are.
 - Faults: an engine that fails is named in the error (``engine i of N``) and remembered;
   ``restart_failed`` rebuilds only the dead or failed engines while the others keep their
@@ -69,36 +70,56 @@ class EngineSlot:
         return f"dedicated local GPU {gpus} (after the trainer's)"
 
 
-def engine_placement(g, world_size: int, local_world_size: Optional[int] = None) -> List[EngineSlot]:
-    """Engine e's slot: colocated, the devices of ranks e*TP ... e*TP+TP-1 (wrapping around when
-    the engines need more devices than there are ranks: they then share devices); dedicated
-    local, the GPUs after the trainer's; dedicated servers, ``g.urls``. ``g``: GenerationConfig."""
+def engine_placement(g, world_size: int, local_world_size: Optional[int] = None,
+                     num_local_gpus: Optional[int] = None) -> List[EngineSlot]:
+    """Engine e's slot. Rank 0 spawns every local engine, so they all live on rank 0's node, whose
+    trainer ranks are ``local_world_size`` (torchrun's LOCAL_WORLD_SIZE) of the ``world_size``:
+    colocated engine e shares the devices of local ranks e*TP ... e*TP+TP-1; dedicated engines take
+    the node's GPUs after the trainer's; servers are ``g.urls``. ``num_local_gpus``: the GPUs rank 0's
+    node has (None on CPU, where engines that outnumber the ranks just share the cores); on GPU an
+    engine that would not fit is a ``ValueError``, never a silent wrap onto the trainer's GPUs."""
     tp, local = g.tensor_parallel_size, local_world_size or world_size
+    need = g.num_engines * tp
+    if not g.urls and num_local_gpus is not None:
+        _check_fit(g, need, local, num_local_gpus)
     slots = []
     for e in range(g.num_engines):
         if g.urls:
             slots.append(EngineSlot(e, [], None, g.urls[e]))
         elif g.colocated:
-            slots.append(EngineSlot(e, sorted({(e * tp + k) % world_size for k in range(tp)}),
+            slots.append(EngineSlot(e, sorted({(e * tp + k) % local for k in range(tp)}),
                                     [(e * tp + k) % local for k in range(tp)]))
         else:
             slots.append(EngineSlot(e, [], [local + e * tp + k for k in range(tp)]))
     return slots
 
 
-def format_placement(g, world_size: int) -> str:
+def _check_fit(g, need: int, local: int, num_local_gpus: int) -> None:
+    what = (f"generation.num_engines={g.num_engines} x generation.tensor_parallel_size={g.tensor_parallel_size} = "
+            f"{need} GPUs")
+    if g.colocated and need > local:
+        raise ValueError(f"{what} for colocated engines, but rank 0's node runs {local} trainer rank(s) "
+                         f"(LOCAL_WORLD_SIZE): rank 0 spawns every engine on its own node. Lower generation.num_engines "
+                         "or tensor_parallel_size, or run engines on other nodes (generation.server_urls)")
+    if not g.colocated and local + need > num_local_gpus:
+        raise ValueError(f"{what} for dedicated engines after the trainer's {local} on rank 0's node, which has "
+                         f"{num_local_gpus}: free GPUs there (fewer trainer ranks per node), set generation.colocated="
+                         "true, or run engines on other nodes (generation.server_urls)")
+
+
+def format_placement(g, world_size: int, local_world_size: Optional[int] = None) -> str:
     """The dry run's text: which rank owns which engine, and on which devices."""
     if g.backend == "megatron":
         return (f"generator: the trainer's own model (generation.backend=megatron) on all {world_size} rank(s); "
                 "no separate engines, no weight push")
-    slots = engine_placement(g, world_size)
+    slots = engine_placement(g, world_size, local_world_size)
     mode = ("colocated (sleep during the trainer step on GPU; a no-op on CPU)" if g.colocated else "dedicated")
     lines = [f"generator: {g.num_engines} x {g.backend} engine(s), tensor_parallel_size={g.tensor_parallel_size}, "
              f"{mode}; rank 0 drives every engine (spawns or connects, pushes weights once to all)"]
     lines += [f"  engine {s.index}: {s.where()}" for s in slots]
-    if g.colocated and g.num_engines * g.tensor_parallel_size > world_size:
-        lines.append(f"  note: {g.num_engines} engines x TP {g.tensor_parallel_size} > {world_size} rank(s): engines "
-                     "share devices (on CPU they split the cores)")
+    if g.colocated and g.num_engines * g.tensor_parallel_size > (local_world_size or world_size):
+        lines.append(f"  note: {g.num_engines} engines x TP {g.tensor_parallel_size} > {local_world_size or world_size} "
+                     "rank(s) on rank 0's node: on CPU the engines split the cores (on GPU this is an error)")
     return "\n".join(lines)
 
 
@@ -314,7 +335,7 @@ class EnginePool(RolloutEngine):
     def update_weights(self, buckets, version: int) -> List[str]:
         """One fan-out push to the engines behind ``version`` (all of them when none is), each
         bucket read concurrently by every target engine. Consumes ``buckets`` whatever happens."""
-        from megatron_grpo.rollout.fanout import fan_out
+        from megatron_grpo.rollout.fanout import fan_out, fan_out_streams
 
         targets = [i for i, e in enumerate(self.engines) if e.policy_version != version or i in self._needs_push]
         if targets and len(targets) < len(self.engines):
@@ -324,8 +345,10 @@ class EnginePool(RolloutEngine):
         engines = [self.engines[i] for i in targets]
         if len(engines) == 1 and not hasattr(engines[0], "push_file"):  # an engine without the file seam
             return self._run(targets[0], lambda e: e.update_weights(buckets, version))
+        streams = any(getattr(e, "weight_transfer", "file") != "file" for e in engines)  # vLLM's transfer API
         try:
-            names = fan_out(buckets, engines, version, names=lambda r: self.name(targets[r]))
+            push = fan_out_streams if streams else fan_out
+            names = push(buckets, engines, version, names=lambda r: self.name(targets[r]))
         except BaseException as exc:
             r = getattr(exc, "engine_index", None)
             if r is not None:

@@ -36,11 +36,14 @@ class VLLMEngine(RolloutEngine):
                  gpu_memory_utilization: float = 0.5, kv_cache_gib: int = 1, start_timeout_s: float = 600.0,
                  request_timeout_s: float = 600.0, is_moe: bool = False,
                  return_routed_experts: bool = False, tensor_parallel_size: int = 1,
-                 cpu_bind: Optional[str] = None, devices: Optional[List[int]] = None, sleep_mode: bool = False):
-        """``cpu_bind``: vLLM's ``VLLM_CPU_OMP_THREADS_BIND`` for this engine (one core list per TP
-        worker, ``|``-separated; None = vLLM's automatic binding, which refuses TP > 1 on one NUMA
-        node); ``devices``: the GPUs it runs on (None = inherited); ``sleep_mode``: GPU only,
-        enables ``sleep``/``wake_up``."""
+                 cpu_bind: Optional[str] = None, devices: Optional[List[int]] = None, sleep_mode: bool = False,
+                 weight_transfer: str = "file", transfer_address: Optional[str] = None):
+        """``weight_transfer``: ``file`` (bucket files, same host) or a vLLM weight-transfer backend
+        (``transfer.py``: the ``LLM`` RL API; ``transfer_address`` = where its workers reach this
+        process, default loopback); ``cpu_bind``: vLLM's ``VLLM_CPU_OMP_THREADS_BIND`` for this
+        engine (one core list per TP worker, ``|``-separated; None = vLLM's automatic binding, which
+        refuses TP > 1 on one NUMA node); ``devices``: the GPUs it runs on (None = inherited);
+        ``sleep_mode``: GPU only, enables ``sleep``/``wake_up``."""
         if dtype not in DTYPE_NAMES:
             raise ValueError(f"generation dtype must be one of {list(DTYPE_NAMES.values())}, got {dtype}")
         self.dtype = dtype
@@ -49,8 +52,15 @@ class VLLMEngine(RolloutEngine):
         self.options = dict(model=model_dir, dtype=DTYPE_NAMES[dtype], max_model_len=max_model_len, seed=seed,
                             gpu_memory_utilization=gpu_memory_utilization, kv_cache_gib=kv_cache_gib,
                             return_routed_experts=return_routed_experts, tensor_parallel_size=tensor_parallel_size,
-                            cpu_bind=cpu_bind, devices=devices, sleep_mode=sleep_mode)
+                            cpu_bind=cpu_bind, devices=devices, sleep_mode=sleep_mode, weight_transfer=weight_transfer)
+        self.weight_transfer, self.pushed_digests, self._transfer = weight_transfer, {}, None
         self._start(start_timeout_s)
+        if weight_transfer != "file":
+            from megatron_grpo.rollout.transfer import VLLMTransfer
+
+            self._transfer = VLLMTransfer(weight_transfer, OfflineWeightSyncClient(self),
+                                          address=transfer_address or "127.0.0.1",
+                                          num_workers=tensor_parallel_size, timeout_s=request_timeout_s)
 
     def _start(self, timeout_s: float) -> None:
         from megatron_grpo.rollout import vllm_worker
@@ -122,11 +132,26 @@ class VLLMEngine(RolloutEngine):
         return self._call("score", dict(sequences=[list(s) for s in sequences], prompt_lens=list(prompt_lens)))
 
     def update_weights(self, buckets: Iterable[List[Tuple[str, torch.Tensor]]], version: int) -> List[str]:
-        """Streams ``buckets`` (lists of (HF name, tensor in the generator dtype)) into vLLM, each
-        bucket as one file under /dev/shm (``fanout.fan_out``, here with a single reader)."""
+        """Streams ``buckets`` (lists of (HF name, tensor in the generator dtype)) into vLLM: ``file``,
+        each bucket as one file (``fanout.fan_out``, here with a single reader); otherwise one round
+        of vLLM's weight-transfer API (``LLM.start_weight_update`` / ``update_weights`` / ``finish``)."""
         from megatron_grpo.rollout.fanout import fan_out
+        from megatron_grpo.rollout.transfer import digesting
 
-        return fan_out(buckets, [self], version)
+        if self._transfer is None:
+            return fan_out(buckets, [self], version)
+        self.pushed_digests = {}
+        names = self._transfer.push(digesting(buckets, self.pushed_digests), version)
+        self.policy_version = version
+        return names
+
+    def weight_version(self) -> Optional[str]:
+        """The engine's committed weights version (``LLM.get_weight_version``)."""
+        return self._call("weight_sync", ("version", None))
+
+    def weight_checksums(self) -> dict:
+        """sha256 per vLLM parameter, as the server's ``/weight_checker`` gives them."""
+        return self._call("weight_sync", ("checksums", None))
 
     # ---- the file-push seam (``fanout.fan_out``): begin, one path per bucket, end --------------------------
 
@@ -162,6 +187,9 @@ class VLLMEngine(RolloutEngine):
         self._proc.join(timeout=30)
 
     def close(self) -> None:
+        if getattr(self, "_transfer", None) is not None:
+            self._transfer.close()
+            self._transfer = None
         if getattr(self, "_proc", None) is None:
             return
         if self._proc.is_alive():
@@ -174,3 +202,25 @@ class VLLMEngine(RolloutEngine):
             self._proc.kill()
             self._proc.join(timeout=10)
         self._proc = None
+
+
+class OfflineWeightSyncClient:
+    """vLLM's ``VLLMWeightSyncClient`` protocol over the generator process's ``LLM`` RL methods."""
+
+    def __init__(self, engine: VLLMEngine):
+        self.engine = engine
+
+    def init_weight_transfer_engine(self, init_info: dict) -> None:
+        self.engine._call("weight_sync", ("init", init_info))
+
+    def start_weight_update(self) -> None:
+        self.engine._call("weight_sync", ("start", None))
+
+    def update_weights(self, update_info) -> None:
+        self.engine._call("weight_sync", ("update", update_info))
+
+    def finish_weight_update(self, weight_version: Optional[str] = None) -> None:
+        self.engine._call("weight_sync", ("finish", weight_version))
+
+    def update_weight_version(self, new_version: str) -> None:
+        self.engine._call("weight_sync", ("set_version", new_version))

@@ -2,11 +2,18 @@
 
 For disaggregated runs the generator lives in another process or node: ``url`` points
 at a running server, or the engine launches one on 127.0.0.1. Generation and scoring
-use ``/v1/completions`` with token-id prompts; weights are pushed bucket by bucket
-(each a safetensors file under /dev/shm) through the dev-mode ``/collective_rpc``
-endpoint into our worker extension, then ``/reset_prefix_cache``. Every request is
-retried with back-off for at most ``retry_timeout_s``; a dead server ends in a
-``GeneratorError`` that says so, never a hang.
+use ``/v1/completions`` with token-id prompts. Weights (``weight_transfer``):
+
+- ``gloo`` / ``nccl`` / ``ipc``: vLLM's RL weight-sync routes (dev mode): ``/pause`` ->
+  ``/init_weight_transfer_engine`` (the first push) -> ``/start_weight_update`` ->
+  ``/update_weights`` while the trainer sends the buckets -> ``/finish_weight_update`` with our
+  version -> ``/resume``; the parity probe reads ``/weight_info`` and ``/weight_checker``. Works
+  for a server on another host (its workers connect back to ``transfer_address``).
+- ``file``: each bucket a safetensors file (``fanout.py``) whose path goes through
+  ``/collective_rpc`` into our worker extension, then ``/reset_prefix_cache``: same host only.
+
+Every idempotent request is retried with back-off for at most ``retry_timeout_s``; a dead
+server ends in a ``GeneratorError`` that says so, never a hang.
 """
 
 from __future__ import annotations
@@ -49,6 +56,35 @@ def _die_with_parent() -> None:
         pass
 
 
+class ServerWeightSyncClient:
+    """vLLM's ``VLLMWeightSyncClient`` protocol over the server's RL routes (dev mode), with our
+    retry and error handling; the weight-update requests are never retried (not idempotent)."""
+
+    def __init__(self, engine: "VLLMServerEngine"):
+        self.engine = engine
+
+    def init_weight_transfer_engine(self, init_info: dict) -> None:
+        self.engine._post("/init_weight_transfer_engine", dict(init_info=init_info), retry=False)
+
+    def start_weight_update(self) -> None:
+        self.engine._post("/start_weight_update", {}, retry=False)
+
+    def update_weights(self, update_info) -> None:
+        infos = update_info if isinstance(update_info, list) else [update_info]
+        if any("ipc_handles" in info for info in infos):  # ipc: the handles travel pickled, as vLLM's client does
+            from vllm.distributed.weight_transfer.clients import _json_safe_update_payload
+
+            update_info = _json_safe_update_payload(update_info)
+        self.engine._post("/update_weights", dict(update_info=update_info), retry=False)
+
+    def finish_weight_update(self, weight_version: Optional[str] = None) -> None:
+        body = {} if weight_version is None else dict(weight_version=weight_version)
+        self.engine._post("/finish_weight_update", body, retry=False)
+
+    def update_weight_version(self, new_version: str) -> None:
+        self.engine._post("/update_weight_version", dict(new_version=new_version))
+
+
 class VLLMServerEngine(RolloutEngine):
     """Client of a vLLM OpenAI-compatible server (launched here unless ``url`` is given)."""
 
@@ -56,8 +92,23 @@ class VLLMServerEngine(RolloutEngine):
                  seed: int = 0, kv_cache_gib: int = 1, gpu_memory_utilization: float = 0.5,
                  start_timeout_s: float = 600.0, request_timeout_s: float = 600.0, retry_timeout_s: float = 60.0,
                  is_moe: bool = False, log_path: Optional[str] = None, tensor_parallel_size: int = 1,
-                 cpu_bind: Optional[str] = None, devices: Optional[List[int]] = None, sleep_mode: bool = False):
+                 cpu_bind: Optional[str] = None, devices: Optional[List[int]] = None, sleep_mode: bool = False,
+                 weight_transfer: str = "file", transfer_address: Optional[str] = None, transfer_senders: int = 1,
+                 launch_prefix: Sequence[str] = ()):
+        """``weight_transfer``: ``file`` or a vLLM weight-transfer backend (``transfer.py``);
+        ``transfer_address``: where the server's workers reach this process (null: loopback for a
+        launched server, this host's address for ``url``); ``transfer_senders``: gloo senders (this
+        process is sender 0; one per pipeline stage); ``launch_prefix``: a command the launched
+        server runs under (e.g. ``unshare ...``: its own mount namespace)."""
+        from megatron_grpo.rollout.transfer import VLLMTransfer, default_address
+
         self.dtype, self.model_dir, self.is_moe = dtype, model_dir, is_moe
+        self.weight_transfer, self.pushed_digests = weight_transfer, {}
+        address = transfer_address or default_address(url)
+        self._transfer = None if weight_transfer == "file" else VLLMTransfer(
+            weight_transfer, ServerWeightSyncClient(self), address=address, num_workers=tensor_parallel_size,
+            num_senders=transfer_senders, timeout_s=request_timeout_s)
+        self.launch_prefix = list(launch_prefix)
         self.tensor_parallel_size, self.cpu_bind, self.devices, self.sleep_mode = (tensor_parallel_size, cpu_bind,
                                                                                    devices, sleep_mode)
         self.request_timeout_s, self.retry_timeout_s = request_timeout_s, retry_timeout_s
@@ -78,6 +129,8 @@ class VLLMServerEngine(RolloutEngine):
                "uni" if self.tensor_parallel_size == 1 else "mp", "--gpu-memory-utilization", str(gpu_memory_utilization),
                "--worker-extension-cls", "megatron_grpo.rollout.server_ext.WeightLoaderExtension"]
         cmd += ["--enable-sleep-mode"] if self.sleep_mode else []
+        if self._transfer is not None:  # the gloo engine comes from our vllm.general_plugins entry point
+            cmd += ["--weight-transfer-config", json.dumps({"backend": self.weight_transfer})]
         env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
                                                                  "MASTER_PORT", "LOCAL_WORLD_SIZE")}
         env.update(VLLM_SERVER_DEV_MODE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0",
@@ -94,7 +147,7 @@ class VLLMServerEngine(RolloutEngine):
             os.makedirs(os.path.dirname(os.path.abspath(log_path)), exist_ok=True)
         self._log_path = log_path
         self._log = open(self._log_path, "a")  # a restarted server appends: the crash stays readable
-        self._proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env,
+        self._proc = subprocess.Popen(self.launch_prefix + cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env,
                                       start_new_session=True, preexec_fn=_die_with_parent)
 
     def _wait_healthy(self, timeout_s: float) -> None:
@@ -120,14 +173,16 @@ class VLLMServerEngine(RolloutEngine):
         except OSError:
             return ""
 
-    def _post(self, path: str, body: dict):
-        """POST with bounded retries: connection errors and 5xx are retried for ``retry_timeout_s``."""
-        data = json.dumps(body).encode()
+    def _post(self, path: str, body: Optional[dict], retry: bool = True):
+        """POST with bounded retries: connection errors and 5xx are retried for ``retry_timeout_s``
+        (``retry=False``: once, for requests that must not run twice, e.g. a weight update)."""
+        data = None if body is None else json.dumps(body).encode()
         deadline, attempts, last = time.monotonic() + self.retry_timeout_s, 0, None
         while True:
             attempts += 1
             try:
-                req = urllib.request.Request(self.url + path, data=data, headers={"Content-Type": "application/json"})
+                req = urllib.request.Request(self.url + path, data=data, method="POST" if body is not None else "GET",
+                                             headers={"Content-Type": "application/json"})
                 with urllib.request.urlopen(req, timeout=self.request_timeout_s) as resp:
                     raw = resp.read()
                     return json.loads(raw) if raw else None
@@ -138,7 +193,7 @@ class VLLMServerEngine(RolloutEngine):
                 last = exc
             except (urllib.error.URLError, ConnectionError, OSError) as exc:
                 last = exc
-            if time.monotonic() > deadline:
+            if time.monotonic() > deadline or not retry:
                 raise GeneratorError(f"vLLM server {self.url} did not answer {path} after {attempts} attempts over "
                                      f"{self.retry_timeout_s:.0f} s (dead or restarting): {last}")
             time.sleep(min(2.0, 0.2 * attempts))
@@ -181,15 +236,41 @@ class VLLMServerEngine(RolloutEngine):
         return out
 
     def update_weights(self, buckets: Iterable[List[Tuple[str, torch.Tensor]]], version: int) -> List[str]:
-        """Each bucket as a safetensors file under /dev/shm (``fanout.fan_out``, one reader)."""
+        """``file``: each bucket a safetensors file (``fanout.fan_out``, one reader). Otherwise vLLM's
+        weight-transfer round between ``/pause`` and ``/resume``."""
         from megatron_grpo.rollout.fanout import fan_out
+        from megatron_grpo.rollout.transfer import digesting
 
-        return fan_out(buckets, [self], version)
+        if self._transfer is None:
+            return fan_out(buckets, [self], version)
+        self.pushed_digests = {}
+        self._post("/pause?mode=wait", {}, retry=False)  # finish what runs, then clear the prefix cache
+        try:
+            names = self._transfer.push(digesting(buckets, self.pushed_digests), version)
+        finally:
+            self._post("/resume", {})
+        self.policy_version = version
+        return names
+
+    @property
+    def transfer(self):
+        """The ``transfer.VLLMTransfer`` of this engine (None with ``file``); ``transfer.endpoint`` is where
+        the other senders join."""
+        return self._transfer
+
+    def weight_version(self) -> Optional[str]:
+        """The server's committed weights version (``/weight_info``)."""
+        return self._post("/weight_info", None)["weight_version"]
+
+    def weight_checksums(self) -> dict:
+        """sha256 per vLLM parameter, keys prefixed ``dp0:pp0:pcp0:tp0:`` (``/weight_checker``)."""
+        return self._post("/weight_checker", dict(action="checksum"))["checksums"]
 
     # ---- the file-push seam (``fanout.fan_out``) -----------------------------------------------------------
 
     def begin_weight_push(self) -> None:
-        pass
+        """One layerwise reload for the whole push (``server_ext``: no per-bucket finalize)."""
+        self._post("/collective_rpc", dict(method="megatron_grpo_begin_push", args=[]))
 
     def push_file(self, path: str) -> None:
         """The server's workers load ``path`` (``/collective_rpc``); unlinked once loaded."""
@@ -202,6 +283,7 @@ class VLLMServerEngine(RolloutEngine):
                 pass
 
     def end_weight_push(self, version: int) -> None:
+        self._post("/collective_rpc", dict(method="megatron_grpo_end_push", args=[]))
         if self.is_moe:
             self._post("/collective_rpc", dict(method="megatron_grpo_repack_moe", args=[]))
         self._post("/reset_prefix_cache", {})
@@ -229,6 +311,8 @@ class VLLMServerEngine(RolloutEngine):
             self._proc.wait(timeout=30)
 
     def close(self) -> None:
+        if getattr(self, "_transfer", None) is not None:
+            self._transfer.close()
         if self._proc is None:
             return
         if self._proc.poll() is None:

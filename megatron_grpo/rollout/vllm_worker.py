@@ -69,8 +69,9 @@ def serve(options: dict, requests, responses) -> None:
         responses.put((0, "error", traceback.format_exc()))
         return
     responses.put((0, "ok", "ready"))
-    handlers = {"generate": _generate, "score": _score, "load": _load, "ping": lambda llm, p, q: "pong",
-                "sleep": lambda llm, p, q: llm.sleep(level=p), "wake_up": lambda llm, p, q: llm.wake_up()}
+    handlers = {"generate": _generate, "score": _score, "load": _load, "weight_sync": _weight_sync,
+                "ping": lambda llm, p, q: "pong",
+                "sleep": _sleep, "wake_up": lambda llm, p, q: llm.wake_up()}
     while True:
         request_id, command, payload = requests.get()
         if command == "close":
@@ -80,6 +81,16 @@ def serve(options: dict, requests, responses) -> None:
             responses.put((request_id, "ok", handlers[command](llm, payload, requests)))
         except BaseException:  # noqa: BLE001
             responses.put((request_id, "error", traceback.format_exc()))
+
+
+def _sleep(llm, level, requests) -> None:
+    """vLLM's sleep (weights offloaded, KV cache freed), then this process's own cached blocks (sampling and
+    scoring temporaries outside vLLM's pool) back to the driver, so the trainer can use them."""
+    import torch
+
+    llm.sleep(level=level)
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def _bind_cores(cpu_bind: str, tp: int) -> None:
@@ -115,6 +126,11 @@ def _build(options: dict):
     tp = int(options.get("tensor_parallel_size", 1))
     if options.get("sleep_mode"):
         extra["enable_sleep_mode"] = True
+    if options.get("weight_transfer", "file") != "file":  # vLLM's weight-transfer API (``transfer.py``)
+        from megatron_grpo.rollout.gloo_transfer import register
+
+        register()  # what the entry point does; also works from a source checkout that is not pip-installed
+        extra["weight_transfer_config"] = {"backend": options["weight_transfer"]}
     if options.get("return_routed_experts"):
         # vLLM returns routed experts through its AuxOutput connector, which needs Model Runner V2
         os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "1")
@@ -174,6 +190,7 @@ def _load(llm, payload, requests):
     read; returns the number of tensors loaded. After a failure the rest of the push is drained
     (and unlinked) so the command stream stays in sync, then the failure is raised."""
     num_loaded, failure = 0, None
+    llm.collective_rpc("megatron_grpo_begin_push")  # one layerwise reload for the whole push
     while True:
         path = requests.get()
         if path is None:
@@ -188,6 +205,7 @@ def _load(llm, payload, requests):
                 os.unlink(path)
             except FileNotFoundError:
                 pass
+    llm.collective_rpc("megatron_grpo_end_push", args=("1" if failure is not None else "0",))
     if failure is not None:
         raise RuntimeError(failure)
     if payload.get("is_moe"):
@@ -196,14 +214,42 @@ def _load(llm, payload, requests):
     return num_loaded
 
 
+def _weight_sync(llm, payload, requests):
+    """vLLM's offline RL API (``LLM.init_weight_transfer_engine`` ...), one (method, argument) per call."""
+    method, arg = payload
+    if method == "init":
+        return llm.init_weight_transfer_engine(dict(init_info=arg))
+    if method == "start":
+        return llm.start_weight_update()
+    if method == "update":
+        return llm.update_weights(dict(update_info=arg))
+    if method == "finish":
+        llm.finish_weight_update(arg)
+        return llm.reset_prefix_cache()  # KV computed with the old weights must not be reused
+    if method == "set_version":
+        return llm.update_weight_version(arg)
+    if method == "version":
+        return llm.get_weight_version()
+    if method == "checksums":  # what the server's /weight_checker returns: every worker's digests, merged
+        merged = {}
+        for digests in llm.llm_engine.collective_rpc("compute_weight_checksums"):
+            merged.update(digests)
+        return merged
+    raise ValueError(f"weight_sync: unknown method {method!r}")
+
+
 def _repack_moe(worker) -> None:
+    repack_moe(worker.model_runner.model)
+
+
+def repack_moe(model) -> None:
     """CPU fused-MoE layers keep the raw expert layout after ``reload_weights``.
 
     vLLM 0.32 prepacks experts into the CPU grouped-GEMM layout only on the first
     load (``UnquantizedFusedMoEMethod._setup_kernel`` skips the kernel's own
-    ``process_weights_after_loading`` on weight updates); run that step again.
+    ``process_weights_after_loading`` on weight updates); run that step again
+    (a no-op for dense models).
     """
-    model = worker.model_runner.model
     for module in model.modules():
         method = getattr(module, "quant_method", None)
         kernel = getattr(method, "moe_kernel", None)

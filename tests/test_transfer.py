@@ -1,0 +1,293 @@
+"""vLLM weight-transfer API: our gloo wire (several senders into one receiver), transport selection,
+the nccl / ipc request payloads through vLLM's trainer factory (fake engines), checksum checks,
+and the /dev/shm free-space fallback of the file transport."""
+
+import os
+import socket
+import threading
+from collections import namedtuple
+
+import pytest
+import torch
+
+from megatron_grpo.rollout import fanout
+from megatron_grpo.rollout.transfer import resolve_transport
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _buckets(stage: int, dtype=torch.float32):
+    gen = torch.Generator().manual_seed(stage)
+    return [[(f"model.layers.{2 * stage + k}.mlp.down_proj.weight", torch.randn(3, 5, generator=gen).to(dtype)),
+             (f"model.layers.{2 * stage + k}.input_layernorm.weight", torch.randn(5, generator=gen).to(dtype))]
+            for k in range(2)]
+
+
+def _run_group(num_senders, sender_fn, num_receivers=1):
+    """Senders 0..S-1 and receivers S.. of one gloo transfer group, as threads; returns each receiver's
+    (loaded tensors, error) and each sender's error."""
+    pytest.importorskip("vllm")
+    from megatron_grpo.rollout import gloo_transfer as gt
+
+    endpoint = gt.TransferEndpoint("127.0.0.1", _port(), num_senders, num_receivers, timeout_s=60)
+    out = {}
+
+    def receiver(k):
+        pg = gt.open_group("127.0.0.1", endpoint.master_port, num_senders + k, endpoint.world_size, 60)
+        loaded = []
+        try:
+            gt.receive_all(pg, num_senders, loaded.extend)
+            out[("recv", k)] = (loaded, None)
+        except Exception as exc:  # noqa: BLE001
+            out[("recv", k)] = (loaded, exc)
+
+    def sender(s):
+        try:
+            sender_fn(gt.GlooSender(endpoint, s), s)
+            out[("send", s)] = None
+        except Exception as exc:  # noqa: BLE001
+            out[("send", s)] = exc
+
+    threads = [threading.Thread(target=receiver, args=(k,)) for k in range(num_receivers)]
+    threads += [threading.Thread(target=sender, args=(s,)) for s in range(num_senders)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not any(t.is_alive() for t in threads), "transfer group hung"
+    return out
+
+
+def test_two_pipeline_stage_senders_feed_one_receiver_and_an_abort_names_the_sender():
+    """PP = 2: each stage's sender streams its own layers (bf16 and fp32 bytes exact) into the same
+    receivers (2 of them, like vLLM TP = 2 workers); a failing gather on stage 1 reaches them as
+    ABORT naming that sender; the receiver loads nothing more but drains stage 0 (no hang)."""
+    out = _run_group(2, lambda snd, s: snd.send_buckets(_buckets(s, torch.bfloat16 if s else torch.float32)),
+                     num_receivers=2)
+    expected = {n: t for s in range(2) for b in _buckets(s, torch.bfloat16 if s else torch.float32) for n, t in b}
+    for k in range(2):
+        loaded, err = out[("recv", k)]
+        assert err is None
+        got = dict(loaded)
+        assert sorted(got) == sorted(expected)
+        assert all(got[n].dtype == t.dtype and torch.equal(got[n], t) for n, t in expected.items())
+
+    def failing(snd, s):
+        def gather():
+            yield from _buckets(s)[:1]
+            if s == 1:
+                raise RuntimeError("gather failed on stage 1")
+            yield from _buckets(s)[1:]
+        snd.send_buckets(gather())
+
+    out = _run_group(2, failing)
+    loaded, err = out[("recv", 0)]
+    assert isinstance(err, RuntimeError) and "aborted by sender 1" in str(err) and "gather failed" in str(err)
+    assert {n for n, _ in loaded} <= {n for s in range(2) for b in _buckets(s) for n, _ in b}  # none after the abort
+    assert out[("send", 0)] is None and "gather failed" in str(out[("send", 1)])  # stage 0 finished: drained
+
+
+def test_gloo_trainer_engine_through_vllms_factory_drives_the_client_in_order():
+    """``register()`` (the entry point) puts gloo in both of vLLM's factories; the trainer engine from
+    ``WeightTransferTrainerFactory.trainer_init`` does the handshake and one round per push: start,
+    update (the worker receives inside it), finish with our version."""
+    pytest.importorskip("vllm")
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
+
+    from megatron_grpo.rollout import gloo_transfer as gt
+    from megatron_grpo.rollout.gloo_engine import GlooTrainerInitInfo
+
+    gt.register()
+    gt.register()  # idempotent: vLLM may load plugins more than once
+    assert WeightTransferEngineFactory._registry["gloo"]().__name__ == "GlooWeightTransferEngine"
+
+    class WorkerSide:  # what vLLM's worker does behind the client's calls
+        def __init__(self):
+            self.calls, self.loaded, self.pg = [], [], None
+
+        def init_weight_transfer_engine(self, info):
+            self.calls.append(("init", info["world_size"], info["num_senders"]))
+            self.pg = gt.open_group(info["master_address"], info["master_port"], info["num_senders"],
+                                    info["world_size"], info["timeout_s"])
+
+        def start_weight_update(self):
+            self.calls.append(("start",))
+
+        def update_weights(self, info):
+            self.calls.append(("update", info["version"]))
+            gt.receive_all(self.pg, 1, self.loaded.extend)
+
+        def finish_weight_update(self, version=None):
+            self.calls.append(("finish", version))
+
+    worker = WorkerSide()
+    info = GlooTrainerInitInfo(master_address="127.0.0.1", master_port=_port(), num_senders=1, num_workers=1,
+                                  timeout_s=60, rank=0)
+    engine = WeightTransferTrainerFactory.trainer_init(info, client=worker)
+    try:
+        assert engine.send_weights(_buckets(0), version=7) == [n for b in _buckets(0) for n, _ in b]
+    finally:
+        engine.shutdown()
+    assert worker.calls == [("init", 2, 1), ("start",), ("update", 7), ("finish", "7")]
+    assert all(torch.equal(t, dict(worker.loaded)[n]) for b in _buckets(0) for n, t in b)
+
+
+def test_transport_selection_and_config_validation():
+    from megatron_grpo.config import GenerationConfig
+
+    assert resolve_transport("auto", "vllm", colocated=True, cuda=False) == "file"
+    assert resolve_transport("auto", "vllm_server", colocated=False, cuda=False) == "gloo"
+    assert resolve_transport("auto", "vllm_server", colocated=False, cuda=True) == "nccl"
+    assert resolve_transport("auto", "vllm_server", colocated=True, cuda=True) == "ipc"
+    assert resolve_transport("gloo", "vllm", colocated=True, cuda=False) == "gloo"
+    with pytest.raises(ValueError, match="generation.weight_transfer=nccl needs CUDA"):
+        resolve_transport("nccl", "vllm_server", colocated=False, cuda=False)
+    with pytest.raises(ValueError, match="generation.weight_transfer: unknown 'tcp'"):
+        GenerationConfig(weight_transfer="tcp")
+    with pytest.raises(ValueError, match="generation.weight_transfer=ipc .* colocated"):
+        GenerationConfig(backend="vllm_server", server_url="http://h:1", weight_transfer="ipc")
+    with pytest.raises(ValueError, match="generation.weight_transfer=nccl with generation.colocated=true"):
+        GenerationConfig(weight_transfer="nccl", colocated=True)
+    with pytest.raises(ValueError, match="generation.weight_transfer=gloo with generation.backend=megatron"):
+        GenerationConfig(backend="megatron", weight_transfer="gloo")
+
+
+class _RecordingServer:
+    """``VLLMServerEngine._post`` stand-in: records (path, body) and answers the RL routes."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, path, body, retry=True):
+        self.calls.append((path, body))
+        if path == "/weight_info":
+            return {"weight_version": "3"}
+        return {}
+
+
+def test_nccl_and_ipc_go_through_vllms_trainer_factory_with_our_payloads(monkeypatch):
+    """GPU transports on CPU: vLLM's ``WeightTransferTrainerFactory`` picks the trainer engine (fakes
+    here, registered under nccl / ipc); the server engine drives /pause, the engine's per-bucket
+    rounds, the version, /resume; the init info carries the group's address and size."""
+    pytest.importorskip("vllm")
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    from megatron_grpo.rollout.vllm_server import VLLMServerEngine
+
+    made = []
+
+    class FakeTrainerEngine:
+        @classmethod
+        def trainer_init(cls, init_info, *, client, source=None):
+            engine = cls()
+            engine.init_info, engine.client, engine.sent = init_info, client, []
+            client.init_weight_transfer_engine({"master_port": getattr(init_info, "master_port", None)})
+            made.append(engine)
+            return engine
+
+        def send_weights(self):  # what vLLM's engines do each round
+            self.client.start_weight_update()
+            meta = self.source.metadata()
+            self.client.update_weights({"names": [m.name for m in meta], "shapes": [list(m.shape) for m in meta]})
+            self.sent.append([n for n, _ in self.source])
+            self.client.finish_weight_update()
+
+        def shutdown(self):
+            pass
+
+    for name in ("nccl", "ipc"):
+        monkeypatch.setitem(WeightTransferTrainerFactory._registry, name, lambda: FakeTrainerEngine)
+    monkeypatch.setattr(VLLMServerEngine, "_wait_healthy", lambda self, timeout_s: None)
+    for backend in ("nccl", "ipc"):
+        made.clear()
+        engine = VLLMServerEngine("/m", torch.float32, url="http://10.0.0.7:8000", weight_transfer=backend,
+                                  transfer_address="10.0.0.1", tensor_parallel_size=2)
+        engine._post = recorder = _RecordingServer()
+        buckets = _buckets(0)
+        assert engine.update_weights(iter(buckets), 3) == [n for b in buckets for n, _ in b]
+        engine.update_weights(iter(buckets), 4)  # the handshake happens once
+        assert len(made) == 1 and made[0].sent == [[n for n, _ in b] for b in buckets] * 2
+        if backend == "nccl":
+            info = made[0].init_info
+            assert (info.master_address, info.world_size, info.rank) == ("10.0.0.1", 3, 0)
+        paths = [p for p, _ in recorder.calls]
+        per_round = ["/start_weight_update", "/update_weights", "/finish_weight_update"]
+        assert paths[:2] == ["/pause?mode=wait", "/init_weight_transfer_engine"]
+        assert paths[2:11] == per_round * 2 + ["/update_weight_version", "/resume", "/pause?mode=wait"]
+        assert recorder.calls[2 + 6] == ("/update_weight_version", {"new_version": "3"})
+        assert recorder.calls[3][1]["update_info"]["names"] == [n for n, _ in buckets[0]]
+        assert engine.policy_version == 4 and set(engine.pushed_digests) == {n for b in buckets for n, _ in b}
+        engine._proc = None
+        engine.close()
+
+
+def test_checksums_compare_the_tensors_vllm_keeps_and_name_the_engine_and_tensor():
+    from megatron_grpo.rollout.parity import ParityError, check_weights
+    from megatron_grpo.rollout.transfer import EMPTY_DIGEST, compare_checksums, trainer_digests
+
+    norm, emb = torch.randn(8), torch.randn(4, 8)
+    ours = trainer_digests([("model.norm.weight", norm), ("model.embed_tokens.weight", emb),
+                            ("model.layers.0.mlp.down_proj.weight", torch.randn(8, 8))])
+    engine_side = {"dp0:pp0:pcp0:tp0:model.norm.weight": ours["model.norm.weight"],
+                   "dp0:pp0:pcp0:tp0:model.layers.0.mlp.down_proj.weight": EMPTY_DIGEST,  # repacked by the CPU kernel
+                   "dp0:pp0:pcp0:tp0:model.embed_tokens.weight": "0" * 64,  # sharded over vLLM TP: skipped
+                   "dp0:pp0:pcp0:tp1:model.embed_tokens.weight": "1" * 64}
+    assert compare_checksums(engine_side, ours) == (1, None)
+    engine_side["dp0:pp0:pcp0:tp0:model.norm.weight"] = "f" * 64
+    assert compare_checksums(engine_side, ours) == (1, "model.norm.weight")
+
+    class Engine:
+        def __init__(self, digests, version="5"):
+            self.pushed_digests, self.digests, self.version = ours, digests, version
+
+        def weight_version(self):
+            return self.version
+
+        def weight_checksums(self):
+            return self.digests
+
+    class Pool:
+        def __init__(self, engines):
+            self.engines = engines
+
+        def name(self, i):
+            return f"engine {i} of {len(self.engines)}"
+
+    good = {"dp0:pp0:pcp0:tp0:model.norm.weight": ours["model.norm.weight"]}
+    assert check_weights(Pool([Engine(good), Engine(good)]), 5) == 2
+    with pytest.raises(ParityError, match=r"engine 1 of 2: checksum of model.norm.weight .* version 5 differs"):
+        check_weights(Pool([Engine(good), Engine(engine_side)]), 5)
+    with pytest.raises(ParityError, match=r"engine 0 of 1 reports weights version '4' after the push of version 5"):
+        check_weights(Pool([Engine(good, version="4")]), 5)
+
+
+StatVFS = namedtuple("StatVFS", "f_bavail f_frsize")
+
+
+def test_bucket_files_fall_back_to_disk_when_dev_shm_is_full(tmp_path, monkeypatch, caplog):
+    """Docker's 64 MiB /dev/shm: a push that needs more (bucket x max_in_flight) goes to the temp dir
+    on disk with one warning; when neither has room the error names both folders and sizes."""
+    shm, disk = tmp_path / "shm", tmp_path / "disk"
+    shm.mkdir(), disk.mkdir()
+    free = {str(shm): 1000, str(disk): 10 * 2**20}
+    real = os.statvfs
+    monkeypatch.setattr(fanout.os, "statvfs", lambda p: StatVFS(free[str(p)], 1) if str(p) in free else real(p))
+    monkeypatch.setattr(fanout.tempfile, "gettempdir", lambda: str(disk))
+    bucket = [("w", torch.ones(1000))]  # 4000 bytes: does not fit 1000 bytes of "shm"
+    out = fanout.SharedFileFanout(2, folder=str(shm))
+    with caplog.at_level("WARNING", logger="megatron_grpo.rollout.fanout"):
+        paths = out.publish(bucket) + out.publish(bucket)
+    assert all(p.startswith(str(disk)) for p in paths) and os.listdir(shm) == []
+    assert sum("has 0.0 MiB free" in r.getMessage() for r in caplog.records) == 1
+    out.close()
+    free[str(shm)] = 4 * 2**20  # room: /dev/shm it is
+    out = fanout.SharedFileFanout(1, folder=str(shm))
+    assert out.publish(bucket)[0].startswith(str(shm))
+    out.close()
+    free[str(shm)], free[str(disk)] = 1000, 2000
+    with pytest.raises(RuntimeError, match=rf"{shm} has 0.0 MiB free and {disk} 0.0 MiB, the push needs 2.0 MiB"):
+        fanout.SharedFileFanout(1, folder=str(shm)).publish(bucket)
