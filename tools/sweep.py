@@ -10,12 +10,14 @@ Resumable: a run whose ``metrics.jsonl`` already has all its steps is not redone
     python tools/sweep.py --grid loss-families --out runs/loss-families --seeds 0 --steps 10
     python tools/sweep.py --grid writeup --out runs/sweep-0.6b --nproc 8      # on a GPU node
     python tools/sweep.py --grid writeup-pretrained --out runs/writeup-pretrained   # issue 16, see writeup.py
+    python tools/sweep.py --grid writeup-regime --out runs/writeup-regime   # issue 26, see writeup_regime.py
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import json
 import math
 import os
 import statistics
@@ -25,6 +27,7 @@ import time
 from typing import Dict, List, Sequence
 
 import writeup
+import writeup_regime
 from writeup import read_rows
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -65,8 +68,10 @@ GRIDS: Dict[str, Dict[str, List[str]]] = {
     "writeup": {name: [] for name in ("A", "B", "F", "G", "noclip", "detach", "detach-center", "fp16")},
     # the write-up's table + loss families on the locally pretrained model, one run per (variant, lr)
     "writeup-pretrained": writeup.grid(),
+    # issue 26: pre-registered A vs B + dose-response, megatron generator, synchronous, gated probes
+    "writeup-regime": writeup_regime.grid(),
 }
-RECIPES = {"writeup-pretrained": writeup.RECIPE, "tiny-phantom": _TINY, "loss-families": _TINY, "tiny-moe-routing": "recipes/grpo-tiny-moe-ep2-cpu.yaml"}
+RECIPES = {"writeup-pretrained": writeup.RECIPE, "writeup-regime": writeup.RECIPE, "tiny-phantom": _TINY, "loss-families": _TINY, "tiny-moe-routing": "recipes/grpo-tiny-moe-ep2-cpu.yaml"}
 COLUMNS = ["run", "seeds", "final_reward", "best_reward", "steps_to_threshold", "beta_abs_mean",
            "phantom_fraction_steps_1_5", "phantom_zero_grad_steps_1_5", "phantom_truncated_steps_1_5",
            "zero_grad_fraction_mean", "deployed_improvement_mean", "kl_rollout_max",
@@ -96,8 +101,11 @@ def run_one(cmd: List[str], log_dir: str, expected_steps: int) -> bool:
         return True
     os.makedirs(log_dir, exist_ok=True)
     print("[sweep] " + " ".join(cmd), flush=True)
+    started = time.perf_counter()
     with open(os.path.join(log_dir, "train.log"), "w") as log:
         code = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT).returncode
+    with open(os.path.join(log_dir, "process.json"), "w") as f:  # launch to exit, imports included
+        json.dump({"process_wall_s": time.perf_counter() - started, "returncode": code}, f)
     if code != 0:
         print(f"[sweep] FAILED ({code}): see {os.path.join(log_dir, 'train.log')}", flush=True)
     return code == 0
@@ -200,6 +208,40 @@ def run_writeup(args) -> int:
     return 0 if ok else 1
 
 
+def run_regime(args) -> int:
+    """``--grid writeup-regime`` without ``--runs``: scout -> eps -> gate probes -> main -> dose, the page after
+    each (writeup_regime.py); a failed gate stops before the main stage unless ``--run-flagged``."""
+    reg, out = writeup_regime, args.out
+    run = lambda stage, pairs, steps, pre=(): args.summary_only or run_pairs(  # noqa: E731
+        args.grid, os.path.join(out, stage), pairs, steps, args.nproc, args.overrides, pre)
+    writeup.ensure_model()
+    os.makedirs(out, exist_ok=True)
+    ok = run("probe", [("scout-B", 0)], reg.PROBE_STEPS)
+    choice = reg.choose_eps(reg.load_log_ratios(os.path.join(out, "probe", "scout-B", "seed0")))
+    print(f"[sweep] main eps {choice['eps']:.4g}, dose eps "
+          + ", ".join(f"{r} {choice['eps_' + r]:.4g}" for r in reg.DOSE_TARGETS), flush=True)
+    ok &= run("gates", [("probe-A", 0), ("probe-B", 0)], reg.PROBE_STEPS, reg.eps_overrides(choice["eps"]))
+    gates = reg.gates(read_rows(os.path.join(out, "gates", "probe-A", "seed0")),
+                      read_rows(os.path.join(out, "gates", "probe-B", "seed0")))
+    passed = all(g[1] for g in gates)
+    reg.save_state(out, eps_choice=choice, gates=gates, estimate=reg.estimate_wall(out),
+                   flagged=not passed and args.run_flagged)
+    for name, good, measured in gates:
+        print(f"[sweep] gate {'pass' if good else 'FAIL'}: {name}: {measured}", flush=True)
+    reg.write_page(out)
+    if args.stage == "probe" or not (passed or args.run_flagged):
+        print(f"[sweep] wrote {os.path.join(out, 'writeup-regime.md')}" + ("" if passed else " (gates failed)"))
+        return 0 if ok and passed else 1
+    for stage in ("main", "dose"):
+        runs, seeds, steps = reg.STAGES[stage]
+        for seed in seeds:  # seed-major: a partial stage still has complete pairs
+            for name in runs:
+                ok &= run(stage, [(name, seed)], steps, reg.eps_overrides(choice.get(f"eps_{name}", choice["eps"])))
+                reg.write_page(out)
+    print(f"[sweep] wrote {reg.write_page(out)}")
+    return 0 if ok else 1
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--grid", choices=sorted(GRIDS), default="tiny-phantom")
@@ -218,10 +260,16 @@ def main(argv=None) -> int:
                         help=f"writeup-pretrained: lrs of the scan (a subset of {list(writeup.LRS)})")
     parser.add_argument("--family-seeds", type=int, nargs="+", default=None,
                         help="writeup-pretrained: seeds of the loss-family runs (default: --seeds)")
+    parser.add_argument("--stage", choices=("probe", "all"), default="all",
+                        help="writeup-regime: stop after the probe stage, or go on to main + dose if the gates pass")
+    parser.add_argument("--run-flagged", action="store_true",
+                        help="writeup-regime: run main + dose even if a gate fails (the page flags them)")
     parser.add_argument("overrides", nargs="*", help="extra key=value overrides for every run")
     args = parser.parse_args(argv)
     if args.grid == "writeup-pretrained" and not args.runs:
         return run_writeup(args)
+    if args.grid == "writeup-regime" and not args.runs:
+        return run_regime(args)
     runs = args.runs or list(GRIDS[args.grid])
     unknown = [r for r in runs if r not in GRIDS[args.grid]]
     if unknown:

@@ -198,10 +198,10 @@ def _mean_key(rows: List[dict], key: str, lo: int = 1, hi: int = 10 ** 9) -> flo
     return sum(vals) / len(vals) if vals else float("nan")
 
 
-def seed_stats(rows: List[dict], threshold: float) -> Dict[str, float]:
-    """One seed's numbers for the report, from its metrics rows."""
+def seed_stats(rows: List[dict], threshold: float, last: int = 5) -> Dict[str, float]:
+    """One seed's numbers for the report, from its metrics rows (final reward: the last ``last`` steps)."""
     reach = [r["step"] for r in rows if r.get("reward/mean") is not None and r["reward/mean"] >= threshold]
-    out = {"final_reward": final_reward(rows), "reward_step1": _at(rows, "reward/mean", 1),
+    out = {"final_reward": final_reward(rows, last), "reward_step1": _at(rows, "reward/mean", 1),
            "steps_to_threshold": float(reach[0]) if reach else float("nan"),
            "reached": 1.0 if reach else 0.0,
            "deployed_improvement": _mean_key(rows, "policy/deployed_improvement"),
@@ -286,13 +286,17 @@ def clip_table(data: Dict[str, List[Dict]], names: Sequence[str], lr: float) -> 
     return _md_table(["run"] + [k.replace("_", " ") for k in keys], rows)
 
 
+def paired_diffs(x: List[Dict], y: List[Dict], key: str = "final_reward") -> List[float]:
+    """``x[key] - y[key]`` for every seed both have, in ``x``'s order."""
+    ys = {s["seed"]: s[key] for s in y}
+    return [s[key] - ys[s["seed"]] for s in x if s["seed"] in ys]
+
+
 def compare(x: List[Dict], y: List[Dict], key: str = "final_reward") -> str:
     """``x`` vs ``y`` on ``key``, paired by seed (runs of one seed share prompts and their first rollouts):
     'higher' / 'lower' when the 95% t-interval of the mean per-seed difference excludes 0, else
     'indistinguishable'; the difference and its interval follow in parentheses."""
-    ys = {s["seed"]: s[key] for s in y}
-    diffs = [s[key] - ys[s["seed"]] for s in x if s["seed"] in ys]
-    mean, half, n = ci95(diffs)
+    mean, half, n = ci95(paired_diffs(x, y, key))
     if n < 2:
         return f"indistinguishable (difference {mean:.3g}, {n} seed: no interval)" if n else "n/a (no common seed)"
     word = "higher" if mean - half > 0 else "lower" if mean + half < 0 else "indistinguishable"
