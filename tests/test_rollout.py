@@ -221,7 +221,8 @@ def test_server_in_private_mounts_gloo_push_from_two_stages_parity_and_dead_serv
 
     def stage1_send(bucket):  # pipeline stage 1's rank: joins the group once, then sends its layers each push
         try:
-            stage1.setdefault("sender", GlooSender(engine.transfer.endpoint, 1))
+            if "sender" not in stage1:  # not setdefault: its default would open a second group every push
+                stage1["sender"] = GlooSender(engine.transfer.endpoint, 1)
             stage1["names"] = stage1["sender"].send_buckets([bucket])
         except BaseException as exc:  # noqa: BLE001
             stage1["names"] = exc
