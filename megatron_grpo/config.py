@@ -214,7 +214,8 @@ class RewardConfig:
     name: str = "negative_length"
     """Registered name (negative_length) or ``module:function`` called with completion ids and texts."""
     timeout_s: Optional[float] = None
-    """A reward call longer than this stops the run naming the function and the step (null = no limit)."""
+    """A reward call longer than this stops the run naming the function and the step. null: no limit on one
+    process; with several ranks 90% of ``cluster.distributed_timeout_minutes`` (the others wait in a collective)."""
 
     def __post_init__(self):
         if self.timeout_s is not None and self.timeout_s <= 0:

@@ -78,6 +78,10 @@ class GenerationConfig:
     """Floor of the max |log-prob diff| the probe allows; null = per-dtype default."""
     parity_growth: float = 4.0
     """A probe fails when its mean or max |diff| grows past this many times the first probe's."""
+    weight_checksum_every: int = 10
+    """Engines on vLLM's weight-transfer API: the parity probe also compares vLLM's ``/weight_checker``
+    sha256 of the pushed tensors with the trainer's, on the first probe and on every Nth one after
+    (0 = the first only). vLLM hashes every parameter on its host (seconds per GiB), so not every step."""
     max_staleness: int = 0
     """Async: generation runs this many steps ahead of training, so step k trains on rollouts of
     weights version k - max_staleness (a pipeline this many steps deep); older rollouts are
@@ -86,8 +90,9 @@ class GenerationConfig:
     def __post_init__(self):
         if self.temperature <= 0:
             raise ValueError(f"generation.temperature must be > 0, got {self.temperature}")
-        if self.max_staleness < 0 or self.parity_probe_every < 0:
-            raise ValueError("generation.max_staleness and generation.parity_probe_every must be >= 0")
+        for key in ("max_staleness", "parity_probe_every", "weight_checksum_every"):
+            if getattr(self, key) < 0:
+                raise ValueError(f"generation.{key} must be >= 0, got {getattr(self, key)}")
         if self.parity_growth < 1:
             raise ValueError(f"generation.parity_growth must be >= 1, got {self.parity_growth}")
         self._check_engines()

@@ -310,15 +310,32 @@ def largest_hf_tensor(shape: ModelShape) -> int:
                shape.moe_ffn_hidden_size * shape.hidden_size)
 
 
+def layer_hf_elements(shape: ModelShape) -> int:
+    """Elements of one decoder layer's HF tensors (attention, norms, the MLP or all experts + router)."""
+    h, d = shape.hidden_size, shape.head_dim
+    attention = (2 * shape.num_heads + 2 * shape.num_kv_heads) * d * h + 2 * h + 2 * d
+    if shape.is_moe:
+        return attention + shape.num_experts * (3 * shape.moe_ffn_hidden_size * h + h)
+    return attention + 3 * shape.ffn_hidden_size * h
+
+
+PUSH_BUCKETS_IN_FLIGHT = 4
+"""Buckets alive on a sender at once: the one being filled, up to two queued per engine stream
+(``fanout.fan_out_streams``; files: two published unread) and the one being sent."""
+
+
 def _push_term(cfg: Config, shape: ModelShape) -> Term:
-    """A stage leader during the weight push: the bucket being filled plus the tensor being gathered
-    (its shards and the unsharded result), all in the generation dtype."""
+    """A stage leader during the weight push: ``PUSH_BUCKETS_IN_FLIGHT`` buckets plus the tensor being
+    gathered (its shards and the unsharded result), in the generation dtype. A bucket closes only
+    between layers, so it can hold the size limit plus one whole layer (a MoE layer's experts: GiBs)."""
     g, size = cfg.generation, DTYPES[cfg.policy.precision.generation_dtype].itemsize
-    bucket = g.weight_push_bucket_mb * 2 ** 20
-    return Term("weight push buffers", bucket + 2 * largest_hf_tensor(shape) * size,
+    largest = largest_hf_tensor(shape)
+    bucket = g.weight_push_bucket_mb * 2 ** 20 + max(layer_hf_elements(shape), largest) * size
+    return Term("weight push buffers", PUSH_BUCKETS_IN_FLIGHT * bucket + 2 * largest * size,
                 ("generation.weight_push_bucket_mb",),
-                f"stage leaders: a {g.weight_push_bucket_mb:g} MiB bucket + the largest tensor gathered (shards + "
-                "full) in the generation dtype; other ranks hold none")
+                f"stage leaders: {PUSH_BUCKETS_IN_FLIGHT} buckets in flight, each up to {g.weight_push_bucket_mb:g} "
+                "MiB + one whole layer (buckets close between layers), + the largest tensor gathered (shards + "
+                "full), in the generation dtype; other ranks hold none")
 
 
 def _reference_term(cfg: Config, count: ParamCount) -> Term:

@@ -43,9 +43,10 @@ def compute_rewards(fn: Callable, name: str, step: int, completion_ids, texts: O
     values = _call(fn, name, step, timeout_s, dict(completion_ids=completion_ids, texts=texts, prompt_ids=prompt_ids))
     if isinstance(values, torch.Tensor):
         values = values.tolist()
-    if isinstance(values, (str, bytes, dict)) or not hasattr(values, "__len__"):
-        raise ValueError(f"reward function {name!r} at step {step} must return a list of numbers, "
-                         f"got {type(values).__name__}")
+    if isinstance(values, (str, bytes, dict)) or not hasattr(values, "__len__") or getattr(values, "ndim", 1) != 1:
+        shape = f" of shape {tuple(values.shape)}" if hasattr(values, "shape") else ""
+        raise ValueError(f"reward function {name!r} at step {step} must return a list of numbers (one per "
+                         f"completion), got {type(values).__name__}{shape}")
     if len(values) != len(completion_ids):
         raise ValueError(f"reward function {name!r} returned {len(values)} rewards for {len(completion_ids)} "
                          f"completions at step {step}")
@@ -59,6 +60,15 @@ def compute_rewards(fn: Callable, name: str, step: int, completion_ids, texts: O
         raise ValueError(f"reward function {name!r} returned non-finite rewards (or beyond float32's range) at step "
                          f"{step} (completions {bad[:5]}{'...' if len(bad) > 5 else ''}: {values[bad[0]]!r})")
     return torch.tensor(values, dtype=torch.float64)  # advantages are computed in float64
+
+
+def agreed_timeout_s(timeout_s: Optional[float], collective_timeout_minutes: float, world_size: int) -> Optional[float]:
+    """Rank 0's limit on one reward call: ``reward.timeout_s``, or, when unset and other ranks wait in
+    the broadcast, 90% of ``cluster.distributed_timeout_minutes``, so rank 0 reports a hung reward to
+    every rank before their collective times out with a bare gloo/NCCL error."""
+    if timeout_s is not None or world_size == 1:
+        return timeout_s
+    return 0.9 * 60.0 * collective_timeout_minutes
 
 
 def score_once(fn: Callable, name: str, step: int, completion_ids, decode: Callable, prompt_ids,
@@ -76,6 +86,9 @@ def score_once(fn: Callable, name: str, step: int, completion_ids, decode: Calla
             result = ("ok", rewards.tolist())  # Python floats: float64, exact through pickle
         except (ValueError, RuntimeError) as exc:
             result = (type(exc).__name__, str(exc))
+        except Exception as exc:  # noqa: BLE001 - anything else (decoding, a malformed return) must reach
+            result = ("RuntimeError", f"scoring with reward function {name!r} failed at step {step}: "  # every rank
+                                      f"{type(exc).__name__}: {exc}")
     status, value = comm.broadcast_object(result, src=0)
     if status != "ok":
         raise (ValueError if status == "ValueError" else RuntimeError)(value)

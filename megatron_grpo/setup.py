@@ -194,7 +194,9 @@ def _build_engine(cfg: Config, model_dir: str, shape):
                              len(_visible_ids()) if cuda else None)
     binds = [None] * g.num_engines if cuda else cpu_bindings(g.num_engines, g.tensor_parallel_size, available_cpus())
     sleep = bool(g.colocated and cuda and g.max_staleness == 0)
-    transport = resolve_transport(g.weight_transfer, g.backend, colocated=bool(g.colocated), cuda=cuda)
+    transport = resolve_transport(g.weight_transfer, g.backend, colocated=bool(g.colocated), cuda=cuda,
+                                  trainer_ranks=world, num_engines=g.num_engines,
+                                  tensor_parallel_size=g.tensor_parallel_size)
     if g.colocated and cuda and g.max_staleness > 0:
         logger.warning("generation.colocated with generation.max_staleness > 0: the engines generate ahead while the "
                        "trainer trains, so they cannot sleep during the trainer step; they keep their memory")

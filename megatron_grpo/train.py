@@ -313,11 +313,14 @@ class GRPOTrainer:
 
     def score(self, rollouts) -> torch.Tensor:
         """Rewards scored once on rank 0 and broadcast (every rank gets the same values or error)."""
-        from megatron_grpo.rewards import score_once
+        from megatron_grpo.parallel import comm
+        from megatron_grpo.rewards import agreed_timeout_s, score_once
 
+        timeout_s = agreed_timeout_s(self.cfg.reward.timeout_s, self.cfg.cluster.distributed_timeout_minutes,
+                                     comm.group_size(comm.world_group()))
         return score_once(self.ctx.reward_fn, self.cfg.reward.name, self.step + 1,
                           [r.completion_ids for r in rollouts], self.ctx.decode, [r.prompt_ids for r in rollouts],
-                          timeout_s=self.cfg.reward.timeout_s, rank=self.ctx.rank)
+                          timeout_s=timeout_s, rank=self.ctx.rank)
 
     # ---- weights --------------------------------------------------------------------------------------------
 
@@ -330,9 +333,7 @@ class GRPOTrainer:
         from megatron_grpo.rollout.vllm_engine import GeneratorError
 
         started = time.perf_counter()
-        if self.ctx.engine is not None:
-            release_device_cache()  # the trainer's cached blocks back to the driver, for the engines to wake into
-            self.ctx.engine.wake_up()  # colocated on GPU: back from the trainer step's sleep
+        wake_engines(self.ctx.engine, self.cfg.generation.colocated)
         for attempt in range(self.cfg.generation.max_restarts + 1):
             faults.maybe_kill_generator(self.step + 1, self.ctx.engine, "push")
             failure = None
@@ -415,7 +416,7 @@ class GRPOTrainer:
             try:
                 result = ("ok", check_parity(self.ctx.engine, probe, scores, self._last_push_names, tol, self.version,
                                              max_tolerance=max_tol, baseline=self.parity_baseline,
-                                             growth=g.parity_growth))
+                                             growth=g.parity_growth, checksums=self._checksums_due()))
             except ParityError as exc:
                 result = ("parity", str(exc))
             except GeneratorError as exc:
@@ -423,6 +424,12 @@ class GRPOTrainer:
         else:
             scores(probe)  # the trainer forward is collective over TP
         return comm.broadcast_object(result, src=0)
+
+    def _checksums_due(self) -> bool:
+        """vLLM's weight checksums on the first probe and every ``generation.weight_checksum_every``-th after."""
+        g = self.cfg.generation
+        every = g.weight_checksum_every * max(g.parity_probe_every, 1)
+        return self.parity_baseline is None or (every > 0 and self.version % every == 0)
 
     def parity_probe(self):
         """The probe set, sampled once from the generator at the start (realistic sequences from
@@ -445,6 +452,19 @@ class GRPOTrainer:
         self.logger.close()
         if self.ctx.engine is not None:
             self.ctx.engine.close()
+
+
+def wake_engines(engine, colocated: bool) -> None:
+    """Before a push: every rank returns its cached GPU blocks (colocated engine e wakes on the GPUs
+    of trainer ranks e*TP ..., not only rank 0's), colocated ranks agree they have, then rank 0 (the
+    one holding ``engine``) wakes the engines from the trainer step's sleep."""
+    from megatron_grpo.parallel import comm
+
+    release_device_cache()
+    if colocated:
+        comm.barrier(comm.world_group())
+    if engine is not None:
+        engine.wake_up()
 
 
 def release_device_cache() -> None:

@@ -3,6 +3,7 @@ and distributed at DP=2), sharding by hand, the fit check, dry run."""
 
 import dataclasses
 import json
+import math
 import os
 
 import pytest
@@ -279,7 +280,8 @@ def test_push_reference_routes_and_moe_terms_by_hand():
     shape = dataclasses.replace(SHAPE, moe_topk=8, moe_ffn_hidden_size=128)
     plan = memory_plan(cfg, shape, 1)
     assert largest_hf_tensor(shape) == 1000 * 64  # the embedding
-    assert plan.term("weight push buffers").bytes == 2 ** 20 + 2 * 1000 * 64 * 2
+    layer = (2 * 8 + 2 * 4) * 16 * 64 + 2 * 64 + 2 * 16 + 8 * (3 * 128 * 64 + 64)  # attention + norms + experts
+    assert plan.term("weight push buffers").bytes == 4 * (2 ** 20 + layer * 2) + 2 * 1000 * 64 * 2  # > the embedding
     assert plan.term("reference model").bytes == plan.term("parameters").bytes
     assert plan.term("routing records").bytes == 4 * 8 * 100 * 4 * 8 * 2  # 4 records x rows x s x layers x k x 2 B
     tokens, h, f = 200, 64, 128
@@ -288,3 +290,24 @@ def test_push_reference_routes_and_moe_terms_by_hand():
     cfg.generation.backend, cfg.loss_fn.reference_policy_kl_penalty = "megatron", 0.0
     names = {t.name for t in memory_plan(cfg, shape, 1).terms}
     assert "weight push buffers" not in names and "reference model" not in names
+
+
+def test_push_buffers_hold_whole_layers_as_the_exported_checkpoint_has_them(tiny_dense, tiny_moe):
+    """A bucket closes only between layers, so the plan's layer size must be a real layer's: checked on the
+    HF files of both tiny models; at Qwen3-30B-A3B's shape one layer's experts alone are over 1 GiB in bf16,
+    which the push buffers of the cluster recipe now carry."""
+    from safetensors import safe_open
+
+    from megatron_grpo.models.qwen3 import load_hf_config, shape_from_hf
+    from megatron_grpo.plan import layer_hf_elements
+
+    for model_dir in (tiny_dense, tiny_moe):
+        with safe_open(os.path.join(model_dir, "model.safetensors"), "pt") as f:
+            layer0 = sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys() if k.startswith("model.layers.0."))
+        assert layer_hf_elements(shape_from_hf(load_hf_config(model_dir))) == layer0, model_dir
+    a3b = dataclasses.replace(SHAPE, hidden_size=2048, num_layers=48, num_heads=32, num_kv_heads=4, head_dim=128,
+                              num_experts=128, moe_topk=8, moe_ffn_hidden_size=768, vocab_size=151936)
+    cfg = from_dict(Config, {"policy": {"precision": {"generation_dtype": "bfloat16"}}})
+    assert layer_hf_elements(a3b) * 2 > 2 ** 30
+    assert memory_plan(cfg, a3b, 1).term("weight push buffers").bytes > 4 * 2 ** 30
+

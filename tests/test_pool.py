@@ -130,6 +130,50 @@ def test_fan_out_writes_once_reads_everywhere_and_restarts_only_the_dead_engine(
     assert [e.slept for e in sleepy.engines] == [0, 0]
 
 
+class _StreamingEngine(_FakeEngine):
+    """An engine on vLLM's weight-transfer API: it reads the bucket stream itself (gloo sends ABORT when the
+    stream raises, END when it ends)."""
+
+    weight_transfer = "gloo"
+
+    def update_weights(self, stream, version):
+        self.policy_version = -1
+        try:
+            for bucket in stream:
+                self.loaded += [name for name, _ in bucket]
+        except Exception as exc:
+            self.aborted = str(exc)
+            raise
+        self.policy_version = version
+
+
+def _failing_gather(num_good):
+    for b in range(num_good):
+        yield [(f"model.layers.{b}.w", torch.full((4,), float(b)))]
+    raise RuntimeError("gather on rank 3 failed")
+
+
+@pytest.mark.parametrize("engine_cls", [_FakeEngine, _StreamingEngine], ids=["files", "streams"])
+def test_a_failed_gather_aborts_the_push_instead_of_committing_partial_weights(engine_cls):
+    """The trainer's side fails after 2 of its buckets: every engine hears it (file seam: the reload is closed
+    with the unknown version; stream: the stream raises, so gloo sends ABORT, not END), no engine claims the
+    new version, the trainer's error propagates, and the next push goes to every engine."""
+    from megatron_grpo.rollout.fanout import UNKNOWN_VERSION
+
+    pool = EnginePool(lambda i: engine_cls(i), 2)
+    before = _bucket_files()
+    with pytest.raises(RuntimeError, match="gather on rank 3 failed"):
+        pool.update_weights(_failing_gather(2), version=1)
+    assert pool.versions() == [UNKNOWN_VERSION] * 2 and _bucket_files() == before
+    assert all(len(e.loaded) == 2 for e in pool.engines)
+    if engine_cls is _StreamingEngine:
+        assert all("the trainer's side of the push failed: RuntimeError: gather on rank 3" in e.aborted
+                   for e in pool.engines)
+    assert pool.push_targets(1) == [0, 1]
+    pool.update_weights(_buckets(1, []), version=1)
+    assert pool.versions() == [1, 1]
+
+
 # ---- vLLM: one tiny training run, then a shared 2-engine pool -------------------------------------------------
 
 pytest_vllm = pytest.mark.vllm

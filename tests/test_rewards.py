@@ -41,6 +41,12 @@ def hangs(completion_ids, **kwargs):
     time.sleep(30)
 
 
+def scalar_array(completion_ids, **kwargs):
+    import numpy as np
+
+    return np.array(1.0)  # a 0-d array: has __len__, but len() raises TypeError
+
+
 def uses_text(completion_ids, texts, **kwargs):
     return torch.tensor([float(len(t)) for t in texts])
 
@@ -51,7 +57,8 @@ def uses_text(completion_ids, texts, **kwargs):
     ("tests.test_rewards:raises", RuntimeError, r"raised at step 7: KeyError"),
     ("tests.test_rewards:huge", ValueError, r"beyond float32's range\) at step 7"),
     ("tests.test_rewards:strings", ValueError, r"at step 7 returned a non-number for completion 0: '1.0'"),
-    ("tests.test_rewards:a_dict", ValueError, r"at step 7 must return a list of numbers, got dict"),
+    ("tests.test_rewards:a_dict", ValueError, r"at step 7 must return a list of numbers .*, got dict"),
+    ("tests.test_rewards:scalar_array", ValueError, r"at step 7 must return a list of numbers .*, got ndarray of shape \(\)"),
     ("tests.test_rewards:hangs", RuntimeError, r"did not return within reward.timeout_s=0.5 s at step 7"),
 ])
 def test_bad_rewards_name_function_and_step(name, error, match):
@@ -103,6 +110,11 @@ def _score_on_two_ranks(calls_file):
         error = None
     except ValueError as exc:
         error = str(exc)
+    try:  # rank 0 fails outside the reward (its tokenizer): every rank gets the error, none waits it out
+        score_once(counted, "counted", 5, [[1]], lambda ids: [ids[0].decode()], [[0]], rank=rank)
+        decode_error = None
+    except RuntimeError as exc:
+        decode_error = str(exc)
     if rank == 0:
         time.sleep(6.0)  # e.g. a vLLM start on rank 0 that outlasts the collective timeout
     started = time.monotonic()
@@ -111,7 +123,7 @@ def _score_on_two_ranks(calls_file):
         timed_out = False
     except Exception:  # noqa: BLE001 - gloo raises RuntimeError on a timed-out collective
         timed_out = True
-    return ok.tolist(), error, timed_out, time.monotonic() - started
+    return ok.tolist(), error, timed_out, time.monotonic() - started, decode_error
 
 
 def test_rewards_scored_once_broadcast_and_agreed_with_the_collective_timeout(tmp_path):
@@ -125,3 +137,14 @@ def test_rewards_scored_once_broadcast_and_agreed_with_the_collective_timeout(tm
     assert [r[0] for r in results] == [[1.0, 2.0]] * 2
     assert results[0][1] == results[1][1] and "'with_nan'" in results[1][1] and "at step 4" in results[1][1]
     assert results[1][2] and results[1][3] < 5.0  # rank 1 gave up after ~2 s, not the 30-minute default
+    assert results[0][4] == results[1][4] and "'counted' failed at step 5: AttributeError" in results[1][4]
+
+
+def test_agreed_timeout_defaults_below_the_collective_timeout():
+    """Unset ``reward.timeout_s`` with several ranks: rank 0 gives up (and tells every rank) before the others'
+    collective times out; one process keeps no limit; a set value wins."""
+    from megatron_grpo.rewards import agreed_timeout_s
+
+    assert agreed_timeout_s(None, 30.0, 1) is None
+    assert agreed_timeout_s(None, 30.0, 8) == pytest.approx(0.9 * 1800)
+    assert agreed_timeout_s(12.0, 30.0, 8) == 12.0

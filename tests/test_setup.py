@@ -71,3 +71,56 @@ def test_trainer_releases_its_cached_memory_before_engines_wake(monkeypatch):
                                     _push_once=lambda: (calls.append("push"), PushReport(version=1))[1])
     GRPOTrainer.push_weights(trainer, probe=False)
     assert calls == ["synchronize", "empty_cache", "wake_up", "push"]
+
+
+def _wake_on_two_ranks():
+    """Rank 1 is slow to release its cache (still finishing its step); rank 0 holds the engine."""
+    import time
+
+    import torch.distributed as dist
+
+    from megatron_grpo import train
+    from megatron_grpo.parallel import state
+
+    state.init_distributed()
+    rank, events = dist.get_rank(), {}
+
+    def release():
+        if rank == 1:
+            time.sleep(1.0)
+        events["released"] = time.time()
+
+    train.release_device_cache = release
+    engine = types.SimpleNamespace(wake_up=lambda: events.__setitem__("woke", time.time())) if rank == 0 else None
+    train.wake_engines(engine, colocated=True)
+    return events
+
+
+def test_colocated_engines_wake_after_every_rank_released_its_cache():
+    """A colocated engine wakes on the GPUs of several trainer ranks: rank 0 wakes it only after every
+    rank has returned its cached blocks (not just its own)."""
+    from tests._dist import run_distributed
+
+    rank0, rank1 = run_distributed(_wake_on_two_ranks, 2)
+    assert "woke" in rank0 and "woke" not in rank1
+    assert rank0["woke"] >= rank1["released"]
+
+
+@pytest.mark.parametrize("every, probe_every, due", [
+    (10, 1, [1, 10, 20]),  # the first probe, then every 10th push
+    (0, 1, [1]),  # the first only
+    (2, 3, [1, 6, 12, 18]),  # probes every 3 pushes: checksums on every 2nd probe
+])
+def test_weight_checksums_run_on_the_first_probe_and_every_nth(every, probe_every, due):
+    """vLLM hashes every parameter on its host for /weight_checker: not on every probe of a large model."""
+    from megatron_grpo.train import GRPOTrainer
+
+    cfg = from_dict(Config, {"generation": {"weight_checksum_every": every, "parity_probe_every": probe_every}})
+    trainer = types.SimpleNamespace(cfg=cfg, parity_baseline=None, version=1)
+    got = []
+    for version in range(1, 21):
+        trainer.version = version
+        if GRPOTrainer._checksums_due(trainer):
+            got.append(version)
+        trainer.parity_baseline = {"sync/logprob_abs_diff_mean": 0.0}
+    assert got == due

@@ -249,6 +249,23 @@ def test_gpu_check_json_writer_and_phase_selection(tmp_path):
     assert "unknown phase(s) gamma" in proc.stdout + proc.stderr
 
 
+def test_gpu_check_without_megatron_or_its_wheel_fails_with_a_json_naming_the_wheel(tmp_path):
+    """The device's bare Python (no megatron-core, packaging or omegaconf) and no wheels carried: the shell stage
+    fails before any phase, naming the missing wheel and the folder, and still leaves gpu_check.json."""
+    bare = tmp_path / "bare"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(bare)], check=True, timeout=120)
+    env = dict(os.environ, PYTHON=str(bare / "bin" / "python"), GPU_CHECK_WHEELS=str(tmp_path / "no-wheels"))
+    env.pop("PYTHONPATH", None)
+    proc = subprocess.run(["bash", "tools/gpu_check.sh", str(tmp_path / "out")], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert f"megatron_core is not installed and {tmp_path}/no-wheels/megatron_core-*.whl is missing" in proc.stderr
+    result = json.loads((tmp_path / "out" / "gpu_check.json").read_text())
+    assert result["ok"] is False and result["stage"] == "shell" and "megatron_core" in result["error"]
+    assert result["not_measured"][0].startswith("every phase: the shell stage failed")
+    assert os.listdir(tmp_path / "out") == ["gpu_check.json"]
+
+
 def test_gpu_check_preflight_names_each_problem(tmp_path, monkeypatch):
     """preflight in GPU mode on this CPU machine: the missing CUDA device, a failing import (with the wheels
     gpu_check.sh installed), too little disk and the absent TE are each reported by name."""

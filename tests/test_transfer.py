@@ -143,6 +143,10 @@ def test_transport_selection_and_config_validation():
     assert resolve_transport("auto", "vllm_server", colocated=False, cuda=False) == "gloo"
     assert resolve_transport("auto", "vllm_server", colocated=False, cuda=True) == "nccl"
     assert resolve_transport("auto", "vllm_server", colocated=True, cuda=True) == "ipc"
+    for layout in (dict(trainer_ranks=2), dict(num_engines=2), dict(tensor_parallel_size=2)):
+        assert resolve_transport("auto", "vllm_server", colocated=True, cuda=True, **layout) == "file"
+        with pytest.raises(ValueError, match="generation.weight_transfer=ipc needs one trainer rank"):
+            resolve_transport("ipc", "vllm_server", colocated=True, cuda=True, **layout)
     assert resolve_transport("gloo", "vllm", colocated=True, cuda=False) == "gloo"
     with pytest.raises(ValueError, match="generation.weight_transfer=nccl needs CUDA"):
         resolve_transport("nccl", "vllm_server", colocated=False, cuda=False)
@@ -157,22 +161,91 @@ def test_transport_selection_and_config_validation():
 
 
 class _RecordingServer:
-    """``VLLMServerEngine._post`` stand-in: records (path, body) and answers the RL routes."""
+    """``VLLMServerEngine._post`` stand-in: records (path, body) and answers the RL routes; the server runs
+    ``world_size`` vLLM workers (``/get_world_size``), whatever the trainer's config says."""
 
-    def __init__(self):
-        self.calls = []
+    def __init__(self, world_size=2):
+        self.calls, self.world_size = [], world_size
 
     def __call__(self, path, body, retry=True):
         self.calls.append((path, body))
         if path == "/weight_info":
             return {"weight_version": "3"}
+        if path == "/get_world_size":
+            return {"world_size": self.world_size}
         return {}
 
 
-def test_nccl_and_ipc_go_through_vllms_trainer_factory_with_our_payloads(monkeypatch):
-    """GPU transports on CPU: vLLM's ``WeightTransferTrainerFactory`` picks the trainer engine (fakes
-    here, registered under nccl / ipc); the server engine drives /pause, the engine's per-bucket
-    rounds, the version, /resume; the init info carries the group's address and size."""
+def _server_engine(monkeypatch, backend, recorder):
+    from megatron_grpo.rollout.vllm_server import VLLMServerEngine
+
+    monkeypatch.setattr(VLLMServerEngine, "_wait_healthy", lambda self, timeout_s: None)
+    monkeypatch.setattr(VLLMServerEngine, "_post", lambda self, path, body, retry=True: recorder(path, body))
+    return VLLMServerEngine("/m", torch.bfloat16, url="http://10.0.0.7:8000", weight_transfer=backend,
+                            transfer_address="10.0.0.1", tensor_parallel_size=2)
+
+
+def test_nccl_push_runs_vllms_own_trainer_engine_with_the_servers_worker_count(monkeypatch):
+    """vLLM's real ``NCCLTrainerWeightTransferEngine`` on CPU: only its two CUDA calls are replaced (the NCCL
+    endpoint: a recording group; the packed broadcast: the same ``pack_tensors`` chunks, sent at once). The
+    remote server runs 4 workers though the trainer's config says TP 2: the group is 1 + 4. The first push
+    is a round per bucket (metadata learnt), the second one round that vLLM checks against the declared
+    metadata, and the broadcast bytes unpack to the pushed tensors. A stream that no longer matches the
+    metadata fails the push (vLLM names the tensor) and the next push learns the metadata again."""
+    pytest.importorskip("vllm")
+    from vllm.distributed.weight_transfer import nccl_engine
+    from vllm.distributed.weight_transfer.packed_tensor import pack_tensors, unpack_tensor
+
+    groups = []
+
+    class Group:
+        def __init__(self, info):
+            self.info, self.chunks = info, []
+
+        def broadcast(self, tensor, src):
+            self.chunks.append(tensor.clone())
+
+        def destroy(self):
+            pass
+
+    def producer(iterator, group, src, post_iter_func, buffer_size_bytes, num_buffers):
+        while (chunk := pack_tensors(iterator, post_iter_func, buffer_size_bytes)) is not None:
+            group.broadcast(chunk.packed_tensor, src=src)
+
+    monkeypatch.setattr(nccl_engine, "open_trainer_endpoint", lambda info, rank=0: groups.append(Group(info)) or groups[-1])
+    monkeypatch.setattr(nccl_engine, "packed_nccl_broadcast_producer", producer)
+    recorder = _RecordingServer(world_size=4)
+    engine = _server_engine(monkeypatch, "nccl", recorder)
+    buckets = _buckets(0, torch.bfloat16)
+    names = [n for b in buckets for n, _ in b]
+    assert engine.update_weights(iter(buckets), 3) == names
+    newer = [[(n, t * 2) for n, t in b] for b in buckets]
+    recorder.calls.clear()
+    assert engine.update_weights(iter(newer), 4) == names
+    (group,) = groups
+    assert (group.info.master_address, group.info.world_size) == ("10.0.0.1", 5)
+    paths = [p for p, _ in recorder.calls]
+    assert paths == ["/pause?mode=wait", "/start_weight_update", "/update_weights", "/finish_weight_update",
+                     "/update_weight_version", "/resume"]  # one round for the whole second push
+    info = recorder.calls[2][1]["update_info"]
+    assert info["names"] == names and info["dtype_names"] == ["bfloat16"] * 4
+    sizes = [t.numel() * t.element_size() for b in newer for _, t in b]
+    received = unpack_tensor(group.chunks[-1], info["names"], info["shapes"], [torch.bfloat16] * 4, sizes)
+    assert all(torch.equal(got, t) for (_, got), (_, t) in zip(received, [x for b in newer for x in b]))
+    assert engine.policy_version == 4 and engine.transfer.bytes_sent == 2 * sum(sizes)
+    wrong = [[(n, t[..., :2] if "down_proj" in n else t) for n, t in b] for b in buckets]
+    with pytest.raises(ValueError, match="metadata\\(\\) disagrees with iteration at index 0"):
+        engine.update_weights(iter(wrong), 5)
+    assert engine.policy_version == -1 and len(groups) == 1
+    assert engine.update_weights(iter(wrong), 5) == names and len(groups) == 2  # reopened, metadata learnt again
+    engine._proc = None
+    engine.close()
+
+
+def test_ipc_goes_through_vllms_trainer_factory_packed_one_round_after_the_first(monkeypatch, tmp_path):
+    """ipc (CUDA IPC handles; its engine needs a GPU, a fake stands in, registered in vLLM's factory): packed
+    init info (bounded buffers), a round per bucket on the first push and one round after, the version set
+    between the rounds and /resume; the launched server gets the env var vLLM requires for pickled handles."""
     pytest.importorskip("vllm")
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
@@ -185,7 +258,7 @@ def test_nccl_and_ipc_go_through_vllms_trainer_factory_with_our_payloads(monkeyp
         def trainer_init(cls, init_info, *, client, source=None):
             engine = cls()
             engine.init_info, engine.client, engine.sent = init_info, client, []
-            client.init_weight_transfer_engine({"master_port": getattr(init_info, "master_port", None)})
+            client.init_weight_transfer_engine({"packed": init_info.packed})
             made.append(engine)
             return engine
 
@@ -199,30 +272,26 @@ def test_nccl_and_ipc_go_through_vllms_trainer_factory_with_our_payloads(monkeyp
         def shutdown(self):
             pass
 
-    for name in ("nccl", "ipc"):
-        monkeypatch.setitem(WeightTransferTrainerFactory._registry, name, lambda: FakeTrainerEngine)
-    monkeypatch.setattr(VLLMServerEngine, "_wait_healthy", lambda self, timeout_s: None)
-    for backend in ("nccl", "ipc"):
-        made.clear()
-        engine = VLLMServerEngine("/m", torch.float32, url="http://10.0.0.7:8000", weight_transfer=backend,
-                                  transfer_address="10.0.0.1", tensor_parallel_size=2)
-        engine._post = recorder = _RecordingServer()
-        buckets = _buckets(0)
-        assert engine.update_weights(iter(buckets), 3) == [n for b in buckets for n, _ in b]
-        engine.update_weights(iter(buckets), 4)  # the handshake happens once
-        assert len(made) == 1 and made[0].sent == [[n for n, _ in b] for b in buckets] * 2
-        if backend == "nccl":
-            info = made[0].init_info
-            assert (info.master_address, info.world_size, info.rank) == ("10.0.0.1", 3, 0)
-        paths = [p for p, _ in recorder.calls]
-        per_round = ["/start_weight_update", "/update_weights", "/finish_weight_update"]
-        assert paths[:2] == ["/pause?mode=wait", "/init_weight_transfer_engine"]
-        assert paths[2:11] == per_round * 2 + ["/update_weight_version", "/resume", "/pause?mode=wait"]
-        assert recorder.calls[2 + 6] == ("/update_weight_version", {"new_version": "3"})
-        assert recorder.calls[3][1]["update_info"]["names"] == [n for n, _ in buckets[0]]
-        assert engine.policy_version == 4 and set(engine.pushed_digests) == {n for b in buckets for n, _ in b}
-        engine._proc = None
-        engine.close()
+    monkeypatch.setitem(WeightTransferTrainerFactory._registry, "ipc", lambda: FakeTrainerEngine)
+    recorder = _RecordingServer()
+    engine = _server_engine(monkeypatch, "ipc", recorder)
+    buckets = _buckets(0)
+    names = [n for b in buckets for n, _ in b]
+    assert engine.update_weights(iter(buckets), 3) == names
+    engine.update_weights(iter(buckets), 4)  # the handshake happens once
+    assert len(made) == 1 and made[0].init_info.packed and made[0].sent == [names[:2], names[2:], names]
+    paths = [p for p, _ in recorder.calls if p != "/get_world_size"]
+    per_round = ["/start_weight_update", "/update_weights", "/finish_weight_update"]
+    assert paths == ["/pause?mode=wait", "/init_weight_transfer_engine"] + per_round * 2 + [
+        "/update_weight_version", "/resume", "/pause?mode=wait"] + per_round + ["/update_weight_version", "/resume"]
+    assert engine.policy_version == 4 and set(engine.pushed_digests) == set(names)
+    launched = {}
+    monkeypatch.setattr("subprocess.Popen", lambda cmd, env, **kw: launched.update(env) or
+                        type("P", (), {"pid": 1, "poll": lambda self: None})())
+    engine._launch(1, 64, 0, 1, 0.5, str(tmp_path / "server.log"))
+    assert launched["VLLM_ALLOW_INSECURE_SERIALIZATION"] == "1"
+    engine._proc = None
+    engine.close()
 
 
 def test_checksums_compare_the_tensors_vllm_keeps_and_name_the_engine_and_tensor():
@@ -237,7 +306,11 @@ def test_checksums_compare_the_tensors_vllm_keeps_and_name_the_engine_and_tensor
                    "dp0:pp0:pcp0:tp0:model.embed_tokens.weight": "0" * 64,  # sharded over vLLM TP: skipped
                    "dp0:pp0:pcp0:tp1:model.embed_tokens.weight": "1" * 64}
     assert compare_checksums(engine_side, ours) == (1, None)
-    engine_side["dp0:pp0:pcp0:tp0:model.norm.weight"] = "f" * 64
+    engine_side["dp0:pp0:pcp0:tp1:model.norm.weight"] = ours["model.norm.weight"]  # vLLM TP 2: replicated norm
+    assert compare_checksums(engine_side, ours) == (1, None)  # still compared (it used to be skipped as "sharded")
+    engine_side["dp0:pp0:pcp0:tp1:model.norm.weight"] = "e" * 64  # TP rank 1 kept a stale norm
+    assert compare_checksums(engine_side, ours) == (1, "model.norm.weight")
+    engine_side["dp0:pp0:pcp0:tp1:model.norm.weight"] = engine_side["dp0:pp0:pcp0:tp0:model.norm.weight"] = "f" * 64
     assert compare_checksums(engine_side, ours) == (1, "model.norm.weight")
 
     class Engine:

@@ -2,7 +2,7 @@
 # Fills ./wheels with what tools/gpu_check.sh installs, when missing, on the GPU check machine
 # (Python 3.12, x86-64, no network; torch and numpy preinstalled, and pyyaml and safetensors too):
 # megatron-core 0.16.1 (the version this package is built and tested against; its only runtime
-# needs are torch, numpy, packaging), omegaconf 2.4.0 (recipes; antlr4 is vendored in it), and, in
+# needs are torch, numpy, packaging: packaging is not a torch dependency, so it comes too), omegaconf 2.4.0 (recipes; antlr4 is vendored in it), and, in
 # case an image lacks them, pyyaml and safetensors. About 4 MB together; ./wheels is git-ignored:
 # carry it in the device run (carry: ["wheels"]). The device run carries at most 64 MiB in all (the
 # working tree's tracked + untracked files, ~2 MB, plus the carried paths): this script fails when the
@@ -20,8 +20,8 @@ rm -f wheels/*.whl  # one version of each: two make pip refuse the install
 "$py" -m pip download -q --disable-pip-version-check --no-deps --only-binary=:all: --python-version 3.12 \
   --implementation cp --abi cp312 --abi abi3 --abi none \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 \
-  --platform manylinux2014_x86_64 --platform any -d wheels "megatron-core==0.16.1" "omegaconf==2.4.0" \
-  "pyyaml==6.0.4" "safetensors==0.8.0"
+  --platform manylinux2014_x86_64 --platform any -d wheels "megatron-core==0.16.1" "packaging==25.0" \
+  "omegaconf==2.4.0" "pyyaml==6.0.4" "safetensors==0.8.0"
 ls -l wheels/*.whl
 mib() { awk -v b="$1" 'BEGIN { printf "%.1f", b / 1048576 }'; }
 wheel_bytes=$(stat -c %s wheels/*.whl | awk '{s += $1} END {print s + 0}')

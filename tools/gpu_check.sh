@@ -27,12 +27,23 @@ mkdir -p "$out"
 out="$(cd "$out" && pwd)"
 cd "$(dirname "$0")/.."
 limit=480
-fail() { echo "gpu_check: FAILED: $*" >&2; exit 1; }
-
 py="${PYTHON:-}"
 if [ -z "$py" ]; then
   if [ -x .venv/bin/python ]; then py=.venv/bin/python; else py=python3; fi
 fi
+# A failure before tools/gpu_check.py wrote its JSON (a missing wheel, a broken pip) still leaves one.
+fail() {
+  echo "gpu_check: FAILED: $*" >&2
+  if [ ! -f "$out/gpu_check.json" ]; then
+    GPU_CHECK_ERROR="$*" "$py" -c 'import json, os, sys
+e = os.environ["GPU_CHECK_ERROR"]
+json.dump({"ok": False, "stage": "shell", "error": e, "phases": {},
+           "not_measured": ["every phase: the shell stage failed before tools/gpu_check.py ran: " + e]},
+          open(sys.argv[1] + ".tmp", "w"), indent=1)
+os.replace(sys.argv[1] + ".tmp", sys.argv[1])' "$out/gpu_check.json" 2>/dev/null || true
+  fi
+  exit 1
+}
 dry="${GPU_CHECK_DRY:-0}"
 [ "$dry" = 0 ] && dry_flag=() || dry_flag=(--dry)
 
@@ -41,7 +52,8 @@ dry="${GPU_CHECK_DRY:-0}"
 # them (megatron.core's import alone takes seconds); only the missing ones are installed, from
 # ./wheels alone (no index, no deps), into a folder put on PYTHONPATH. yaml and safetensors are
 # preinstalled there; transformers / tokenizers are not needed (token-id prompts, no tokenizer).
-needs=(megatron.core:megatron_core omegaconf:omegaconf yaml:pyyaml safetensors:safetensors)
+needs=(megatron.core:megatron_core packaging:packaging omegaconf:omegaconf yaml:pyyaml safetensors:safetensors)
+wheels="${GPU_CHECK_WHEELS:-wheels}"
 missing=()
 for spec in "${needs[@]}"; do
   probe="import importlib.util, sys; sys.exit(importlib.util.find_spec('${spec%%:*}') is None)"
@@ -53,13 +65,13 @@ if [ "${#missing[@]}" -gt 0 ]; then
   files=()
   shopt -s nocaseglob
   for name in "${missing[@]}"; do
-    match=(wheels/"$name"-*.whl)
-    [ -f "${match[0]}" ] || fail "$name is not installed and wheels/$name-*.whl is missing: run" \
+    match=("$wheels"/"$name"-*.whl)
+    [ -f "${match[0]}" ] || fail "$name is not installed and $wheels/$name-*.whl is missing: run" \
       "'bash tools/fetch_gpu_wheels.sh' on a machine with PyPI and carry the wheels folder"
     files+=("${match[@]}")
   done
   site="${TMPDIR:-/tmp}/megatron_grpo_gpu_site"
-  echo "gpu_check: installing ${missing[*]} from ./wheels into $site"
+  echo "gpu_check: installing ${missing[*]} from $wheels into $site"
   "$py" -m pip install -q --no-index --no-deps --no-compile --disable-pip-version-check --upgrade \
     --target "$site" "${files[@]}" || fail "pip could not install ${files[*]}"
   export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"

@@ -71,6 +71,12 @@ def all_gather_cat(tensor: torch.Tensor, dim: int, group=None) -> torch.Tensor:
     return torch.cat(parts, dim=dim)
 
 
+def barrier(group=None) -> None:
+    """Every rank of ``group`` has reached this point (nothing when not distributed)."""
+    if _active(group):
+        dist.barrier(group=group)
+
+
 def broadcast_object(obj, src: int = 0, group: Optional[object] = None):
     """Broadcasts a picklable object from global rank ``src``."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:

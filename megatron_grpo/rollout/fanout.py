@@ -38,6 +38,21 @@ logger = logging.getLogger(__name__)
 
 Bucket = List[Tuple[str, torch.Tensor]]
 
+UNKNOWN_VERSION = -1
+"""An engine's version after a push the trainer aborted (a failed gather): some buckets loaded, some
+not. The staleness gate never accepts it, and the next push goes to that engine."""
+
+
+class PushAborted(RuntimeError):
+    """Raised inside an engine's bucket stream when the trainer's side of the push failed, so the
+    engine's transport aborts (gloo sends ABORT) instead of ending the round with partial weights."""
+
+
+class _Abort:
+    def __init__(self, error: BaseException):
+        self.error = error
+
+
 SAFETENSORS_HEADER_SLACK = 1 << 20
 """Bytes allowed per bucket file beyond its tensors (the JSON header: names, shapes, offsets)."""
 
@@ -164,12 +179,16 @@ def fan_out(buckets: Iterable[Bucket], engines: Sequence, version: int, *, names
         try:
             engine.begin_weight_push()
             for path in paths:
+                if isinstance(path, _Abort):  # the trainer's gather failed: close the reload, claim no version
+                    engine.end_weight_push(UNKNOWN_VERSION)
+                    return
                 engine.push_file(path)
             engine.end_weight_push(version)
         except BaseException as exc:  # noqa: BLE001 - reported after the push
             errors[r] = exc
             for path in paths:  # the rest of this engine's buckets are never read
-                _unlink(path)
+                if not isinstance(path, _Abort):
+                    _unlink(path)
         finally:
             done[r].set()
 
@@ -187,6 +206,10 @@ def fan_out(buckets: Iterable[Bucket], engines: Sequence, version: int, *, names
                         feeds[r].put(path)
                     else:
                         _unlink(path)
+        except BaseException as exc:
+            for f in feeds:
+                f.put(_Abort(exc))
+            raise
         finally:
             for f in feeds:
                 f.put(None)
@@ -211,6 +234,9 @@ def fan_out_streams(buckets: Iterable[Bucket], engines: Sequence, version: int, 
     def stream(r: int):
         item = feeds[r].get()
         while item is not None:
+            if isinstance(item, _Abort):
+                raise PushAborted(f"the trainer's side of the push failed: {type(item.error).__name__}: "
+                                  f"{item.error}")
             yield item
             item = feeds[r].get()
 
@@ -231,14 +257,18 @@ def fan_out_streams(buckets: Iterable[Bucket], engines: Sequence, version: int, 
 
     with ThreadPoolExecutor(max_workers=len(engines), thread_name_prefix="weight-stream") as pool:
         futures = [pool.submit(run, r) for r in range(len(engines))]
+        end = None
         try:
             for bucket in buckets:
                 pushed.extend(name for name, _ in bucket)
                 for r in range(len(engines)):
                     hand(r, bucket)
+        except BaseException as exc:
+            end = _Abort(exc)
+            raise
         finally:
             for r in range(len(engines)):
-                hand(r, None)
+                hand(r, end)
             for fut in futures:
                 fut.result()
     _raise_first(errors, names)

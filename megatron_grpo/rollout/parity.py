@@ -90,12 +90,14 @@ def limits(tolerance: float, max_tolerance: float, baseline: Optional[Dict[str, 
 
 def check_parity(engine, probe: ProbeBatch, trainer_scores: Callable[[ProbeBatch], List[List[float]]],
                  pushed_names: Sequence[str], tolerance: float, version: int, *, max_tolerance: float = math.inf,
-                 baseline: Optional[Dict[str, float]] = None, growth: float = DEFAULT_GROWTH) -> Dict[str, float]:
+                 baseline: Optional[Dict[str, float]] = None, growth: float = DEFAULT_GROWTH,
+                 checksums: bool = True) -> Dict[str, float]:
     """Scores ``probe`` with every engine replica (``score_replicas``: each engine of a pool) and,
     once, the trainer; raises ``ParityError`` naming the first replica whose mean or max |diff|
     exceeds its limit (``limits``). Returns the worst replica's diffs and, with a baseline, their
-    ratio to it (``sync/logprob_diff_vs_baseline``)."""
-    check_weights(engine, version)
+    ratio to it (``sync/logprob_diff_vs_baseline``). ``checksums``: also ``check_weights``."""
+    if checksums:
+        check_weights(engine, version)
     ours = trainer_scores(probe)
     replicas = getattr(engine, "score_replicas", None)
     scored = replicas(probe.sequences, probe.prompt_lens) if replicas else [

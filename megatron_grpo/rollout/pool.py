@@ -332,16 +332,20 @@ class EnginePool(RolloutEngine):
 
     # ---- weights ------------------------------------------------------------------------------------------
 
+    def push_targets(self, version: int) -> List[int]:
+        """The engines the push of ``version`` goes to: those behind it (all of them when none is)."""
+        targets = [i for i, e in enumerate(self.engines) if e.policy_version != version or i in self._needs_push]
+        return targets or list(range(len(self.engines)))
+
     def update_weights(self, buckets, version: int) -> List[str]:
         """One fan-out push to the engines behind ``version`` (all of them when none is), each
         bucket read concurrently by every target engine. Consumes ``buckets`` whatever happens."""
         from megatron_grpo.rollout.fanout import fan_out, fan_out_streams
 
-        targets = [i for i, e in enumerate(self.engines) if e.policy_version != version or i in self._needs_push]
-        if targets and len(targets) < len(self.engines):
+        targets = self.push_targets(version)
+        if len(targets) < len(self.engines):
             logger.info("pushing weights version %d to engine(s) %s only (the others hold it already)", version,
                         ", ".join(map(str, targets)))
-        targets = targets or list(range(len(self.engines)))
         engines = [self.engines[i] for i in targets]
         if len(engines) == 1 and not hasattr(engines[0], "push_file"):  # an engine without the file seam
             return self._run(targets[0], lambda e: e.update_weights(buckets, version))

@@ -28,16 +28,32 @@ API_TRANSPORTS = ("gloo", "nccl", "ipc")
 Bucket = List[Tuple[str, torch.Tensor]]
 
 
-def resolve_transport(transport: str, backend: str, *, colocated: bool, cuda: bool) -> str:
-    """The transport ``generation.weight_transfer`` means for this engine backend and machine
-    (``auto`` resolved); ``ValueError`` naming the key for a transport the machine cannot run."""
+def resolve_transport(transport: str, backend: str, *, colocated: bool, cuda: bool, trainer_ranks: int = 1,
+                      num_engines: int = 1, tensor_parallel_size: int = 1) -> str:
+    """The transport ``generation.weight_transfer`` means for this engine backend, layout and machine
+    (``auto`` resolved); ``ValueError`` naming the key for a transport that cannot run here.
+
+    vLLM's ipc trainer engine fits one case only: one trainer rank, one engine, TP 1. It all-gathers
+    the IPC handles over the trainer's default group (every rank would have to push, but only rank 0
+    holds the gathered weights) and keys them by rank 0's GPU (a worker on another GPU finds none).
+    Other colocated layouts push files (same host, /dev/shm); nccl cannot put two ranks on one GPU."""
+    ipc_fits = trainer_ranks == 1 and num_engines == 1 and tensor_parallel_size == 1
     if transport == "auto":
         if backend != "vllm_server":
             return "file"
-        return ("ipc" if colocated else "nccl") if cuda else "gloo"
+        if not cuda:
+            return "gloo"
+        if not colocated:
+            return "nccl"
+        return "ipc" if ipc_fits else "file"
     if transport in ("nccl", "ipc") and not cuda:
         raise ValueError(f"generation.weight_transfer={transport} needs CUDA (vLLM's {transport} engine); use gloo "
                          "or file on CPU")
+    if transport == "ipc" and not ipc_fits:
+        raise ValueError(f"generation.weight_transfer=ipc needs one trainer rank, generation.num_engines=1 and "
+                         f"generation.tensor_parallel_size=1 (got {trainer_ranks} rank(s), {num_engines}, "
+                         f"{tensor_parallel_size}): vLLM's ipc engine gathers handles over every trainer rank and "
+                         "keys them by rank 0's GPU. Use file (colocated, same host) or auto")
     return transport
 
 
@@ -82,6 +98,7 @@ class VLLMTransfer:
         self.backend, self.client = backend, client
         self.endpoint = TransferEndpoint(address, free_port(address), num_senders, num_workers, timeout_s)
         self._sender = None  # gloo: our sender; nccl / ipc: vLLM's trainer engine
+        self._meta = None  # nccl / ipc: (name, dtype, shape) of every pushed tensor, learnt on the first push
         self.bytes_sent = 0
 
     @property
@@ -109,7 +126,7 @@ class VLLMTransfer:
                                        world_size=e.world_size, rank=0)
         from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
 
-        return IPCTrainerInitInfo(rank=0)
+        return IPCTrainerInitInfo(rank=0, packed=True)  # bounded buffers: one round never holds the whole model
 
     def push(self, buckets: Iterable[Bucket], version: int) -> List[str]:
         """Sends one version; returns the names sent. The buckets are consumed whatever happens (their
@@ -125,25 +142,42 @@ class VLLMTransfer:
                 names = gloo_transfer.push_round(self.client, self._sender, buckets, version)
                 self.bytes_sent = self._sender.bytes_sent
                 return names
-            return self._push_per_bucket(buckets, version)
+            return self._push_rounds(buckets, version)
         except BaseException:
             self.close()
             self.endpoint.master_port = free_port(self.endpoint.master_address)
+            self._meta = None  # the next push learns it again, from what it sends
             raise
         finally:
             for _ in buckets:
                 pass
 
-    def _push_per_bucket(self, buckets: Iterable[Bucket], version: int) -> List[str]:
-        """vLLM's nccl / ipc trainer engines send one ``WeightSource`` per round (start, update,
-        finish): one round per bucket (buckets close between layers, so each round's layerwise
-        reload sees whole layers), then the version."""
+    def _push_rounds(self, buckets: Iterable[Bucket], version: int) -> List[str]:
+        """vLLM's nccl / ipc trainer engines send one ``WeightSource`` per round (start, update, finish),
+        its metadata declared before any tensor moves. The first push learns the names, dtypes and
+        shapes, one round per bucket (buckets close between layers, so each round's layerwise reload
+        sees whole layers); every later push is one round over all buckets with the learnt metadata
+        (one reload, and vLLM's own check that the stream matches what it declared)."""
         names: List[str] = []
-        for bucket in buckets:
-            self._sender.source = bucket_source(bucket)
+        if self._meta is None:
+            meta = []
+            for bucket in buckets:
+                self._sender.source = bucket_source(bucket)
+                self._sender.send_weights()
+                names.extend(n for n, _ in bucket)
+                meta.extend((n, t.dtype, tuple(t.shape)) for n, t in bucket)
+                self.bytes_sent += sum(t.numel() * t.element_size() for _, t in bucket)
+            self._meta = meta
+        else:
+            def stream():
+                for bucket in buckets:
+                    for name, tensor in bucket:
+                        names.append(name)
+                        self.bytes_sent += tensor.numel() * tensor.element_size()
+                        yield name, tensor
+
+            self._sender.source = bucket_source(stream(), self._meta)
             self._sender.send_weights()
-            names.extend(n for n, _ in bucket)
-            self.bytes_sent += sum(t.numel() * t.element_size() for _, t in bucket)
         self.client.update_weight_version(str(version))
         return names
 
@@ -160,12 +194,15 @@ class VLLMTransfer:
         self._sender = None
 
 
-def bucket_source(bucket: Bucket):
-    """A vLLM ``WeightSource`` over one bucket of (HF name, tensor)."""
+def bucket_source(bucket, meta: Optional[List[Tuple[str, torch.dtype, tuple]]] = None):
+    """A vLLM ``WeightSource`` over (HF name, tensor) pairs: one bucket (its metadata read from it), or
+    a one-pass stream whose metadata ``meta`` (name, dtype, shape) is known before it is drawn."""
     from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
 
     class BucketSource(WeightSource):
         def metadata(self):
+            if meta is not None:
+                return [ParamMeta(n, d, s) for n, d, s in meta]
             return [ParamMeta(n, t.dtype, tuple(t.shape)) for n, t in bucket]
 
         def __iter__(self):
@@ -199,16 +236,20 @@ EMPTY_DIGEST = "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855
 
 
 def compare_checksums(engine_digests: dict, ours: dict) -> Tuple[int, Optional[str]]:
-    """(tensors compared, first mismatching name or None): the names both sides hold as the same
-    tensor (norms, embeddings, lm_head; fused or repacked vLLM parameters are skipped). Engine keys
-    carry vLLM's ``dp0:pp0:pcp0:tp0:`` prefix; only unsharded tensors (one TP rank) are compared."""
-    split = [(key.rpartition(":")[0], key.rpartition(":")[2], digest) for key, digest in engine_digests.items()]
-    sharded = {name for prefix, name, _ in split if not prefix.endswith("tp0")}  # no worker holds the full tensor
+    """(tensors compared, first mismatching name or None) over the names both sides hold. Engine keys
+    carry vLLM's ``dp0:pp0:pcp0:tp0:`` prefix, one per worker holding the name. A name whose workers
+    report one digest and one of them ours is replicated (norms): every worker must hold ours. Differing
+    digests with none ours are TP shards (no worker holds the full tensor): skipped; so are parameters
+    vLLM's CPU kernels repacked elsewhere (empty). Otherwise (one digest, not ours) it is a mismatch."""
+    by_name: dict = {}
+    for key, digest in engine_digests.items():
+        by_name.setdefault(key.rpartition(":")[2], []).append(digest)
     compared, mismatch = 0, None
-    for prefix, name, digest in sorted(split):
-        if name not in ours or name in sharded or digest == EMPTY_DIGEST:
+    for name in sorted(by_name):
+        digests = set(by_name[name])
+        if name not in ours or EMPTY_DIGEST in digests or (len(digests) > 1 and ours[name] not in digests):
             continue
         compared += 1
-        if digest != ours[name] and mismatch is None:
+        if digests != {ours[name]} and mismatch is None:
             mismatch = name
     return compared, mismatch

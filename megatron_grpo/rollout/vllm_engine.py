@@ -135,13 +135,17 @@ class VLLMEngine(RolloutEngine):
         """Streams ``buckets`` (lists of (HF name, tensor in the generator dtype)) into vLLM: ``file``,
         each bucket as one file (``fanout.fan_out``, here with a single reader); otherwise one round
         of vLLM's weight-transfer API (``LLM.start_weight_update`` / ``update_weights`` / ``finish``)."""
-        from megatron_grpo.rollout.fanout import fan_out
+        from megatron_grpo.rollout.fanout import UNKNOWN_VERSION, fan_out
         from megatron_grpo.rollout.transfer import digesting
 
         if self._transfer is None:
             return fan_out(buckets, [self], version)
         self.pushed_digests = {}
-        names = self._transfer.push(digesting(buckets, self.pushed_digests), version)
+        try:
+            names = self._transfer.push(digesting(buckets, self.pushed_digests), version)
+        except BaseException:
+            self.policy_version = UNKNOWN_VERSION  # some buckets may have loaded: no version holds
+            raise
         self.policy_version = version
         return names
 

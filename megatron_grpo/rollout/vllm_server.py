@@ -120,6 +120,8 @@ class VLLMServerEngine(RolloutEngine):
         else:
             self.url = url.rstrip("/")
         self._wait_healthy(start_timeout_s)
+        if self._transfer is not None:  # the group needs every worker of the server, as it was launched (a remote
+            self._transfer.endpoint.num_workers = self.num_workers()  # one's TP/PP/DP are not in our config)
 
     def _launch(self, port, max_model_len, seed, kv_cache_gib, gpu_memory_utilization, log_path) -> None:
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model_dir,
@@ -135,6 +137,8 @@ class VLLMServerEngine(RolloutEngine):
                                                                  "MASTER_PORT", "LOCAL_WORLD_SIZE")}
         env.update(VLLM_SERVER_DEV_MODE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0",
                    VLLM_CPU_KVCACHE_SPACE=str(max(1, int(kv_cache_gib))))
+        if self.weight_transfer == "ipc":  # the ipc handles cross HTTP pickled (vLLM's HTTP client does the same)
+            env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
         if self.cpu_bind:
             env["VLLM_CPU_OMP_THREADS_BIND"] = self.cpu_bind
         if self.devices:
@@ -238,7 +242,7 @@ class VLLMServerEngine(RolloutEngine):
     def update_weights(self, buckets: Iterable[List[Tuple[str, torch.Tensor]]], version: int) -> List[str]:
         """``file``: each bucket a safetensors file (``fanout.fan_out``, one reader). Otherwise vLLM's
         weight-transfer round between ``/pause`` and ``/resume``."""
-        from megatron_grpo.rollout.fanout import fan_out
+        from megatron_grpo.rollout.fanout import UNKNOWN_VERSION, fan_out
         from megatron_grpo.rollout.transfer import digesting
 
         if self._transfer is None:
@@ -247,6 +251,9 @@ class VLLMServerEngine(RolloutEngine):
         self._post("/pause?mode=wait", {}, retry=False)  # finish what runs, then clear the prefix cache
         try:
             names = self._transfer.push(digesting(buckets, self.pushed_digests), version)
+        except BaseException:
+            self.policy_version = UNKNOWN_VERSION  # some buckets may have loaded: no version holds
+            raise
         finally:
             self._post("/resume", {})
         self.policy_version = version
@@ -257,6 +264,10 @@ class VLLMServerEngine(RolloutEngine):
         """The ``transfer.VLLMTransfer`` of this engine (None with ``file``); ``transfer.endpoint`` is where
         the other senders join."""
         return self._transfer
+
+    def num_workers(self) -> int:
+        """The server's vLLM workers, data parallelism included (``/get_world_size``): each joins the transfer."""
+        return int(self._post("/get_world_size", None)["world_size"])
 
     def weight_version(self) -> Optional[str]:
         """The server's committed weights version (``/weight_info``)."""
