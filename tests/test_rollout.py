@@ -165,20 +165,35 @@ def test_async_pipeline_is_max_staleness_deep_and_probes_at_temperature_one(tmp_
     assert max(r["policy/kl_rollout"] for r in rows[2:]) > 0  # two versions of lag: alpha is policy movement
 
 
-def _private_mount_prefix():
-    """A command prefix that runs the server with its own /dev/shm and /tmp (a private mount namespace),
-    as on another host or in another container: it cannot read the trainer's bucket files."""
+@pytest.fixture
+def another_host():
+    """A network namespace reached over a veth pair (trainer side 10.231.N.1, server side 10.231.N.2) and a
+    launch prefix that runs a process inside it with its own /dev/shm and /tmp: a generator host as a cluster
+    has it (another address, another route, nothing shared but the network). Yields (prefix, server address)."""
     import shutil
     import subprocess
 
-    if shutil.which("unshare") is None:
-        pytest.skip("unshare (util-linux) is not installed: the private-/dev/shm server test needs it")
-    probe = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c",
-                            "mount -t tmpfs tmpfs /dev/shm"], capture_output=True, text=True)
-    if probe.returncode != 0:
-        pytest.skip(f"unshare --mount is not permitted here (needs root / CAP_SYS_ADMIN): {probe.stderr.strip()}")
-    return ["unshare", "--mount", "--propagation", "private", "sh", "-c",
-            'mount -t tmpfs tmpfs /dev/shm && mount -t tmpfs tmpfs /tmp && exec "$@"', "private-mounts"]
+    for tool in ("ip", "unshare"):
+        if shutil.which(tool) is None:
+            pytest.skip(f"{tool} is not installed: the other-host server test needs iproute2 and util-linux")
+    n = os.getpid() % 250 + 1
+    ns, ours, theirs = f"mgrpo{os.getpid()}", f"vt{os.getpid()}"[:15], f"vs{os.getpid()}"[:15]
+    setup = [["ip", "netns", "add", ns], ["ip", "link", "add", ours, "type", "veth", "peer", "name", theirs, "netns", ns],
+             ["ip", "addr", "add", f"10.231.{n}.1/24", "dev", ours], ["ip", "link", "set", ours, "up"],
+             ["ip", "-n", ns, "addr", "add", f"10.231.{n}.2/24", "dev", theirs],
+             ["ip", "-n", ns, "link", "set", theirs, "up"], ["ip", "-n", ns, "link", "set", "lo", "up"]]
+    try:
+        for cmd in setup:
+            done = subprocess.run(cmd, capture_output=True, text=True)
+            if done.returncode != 0:
+                pytest.skip(f"cannot build a network namespace here (needs root / CAP_NET_ADMIN): {' '.join(cmd)}: "
+                            f"{done.stderr.strip()}")
+        yield (["ip", "netns", "exec", ns, "unshare", "--mount", "--propagation", "private", "sh", "-c",
+                'mount -t tmpfs tmpfs /dev/shm && mount -t tmpfs tmpfs /tmp && exec "$@"', "another-host"],
+               f"10.231.{n}.2")
+    finally:
+        subprocess.run(["ip", "link", "del", ours], capture_output=True)
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
 
 
 def _hf_scores(model_dir, weights, sequences, prompt_lens):
@@ -194,12 +209,14 @@ def _hf_scores(model_dir, weights, sequences, prompt_lens):
     return out
 
 
-def test_server_in_private_mounts_gloo_push_from_two_stages_parity_and_dead_server_error(tiny_dense):
-    """One server for every server check: launched in its own mount namespace (own /dev/shm and /tmp,
-    127.0.0.1 only), so the file transport cannot reach it; weights go through vLLM's weight-transfer
-    API with our gloo engine (the vllm.general_plugins entry point), from two senders at once (two
-    pipeline stages, each its own layers); generate, parity (log-probs, version, checksums), a
-    second push moves the log-probs to the new weights; then a dead server errors, never hangs."""
+def test_server_on_another_host_gloo_push_from_two_stages_parity_and_dead_server_error(tiny_dense, another_host):
+    """One server for every server check, as on another host: its own network namespace (reached at
+    10.231.N.2 over a veth pair; its workers find the trainer's store at the address of the route to it,
+    10.231.N.1, not loopback) and its own /dev/shm and /tmp, so the file transport cannot reach it.
+    Weights go through vLLM's weight-transfer API with our gloo engine (the vllm.general_plugins entry
+    point), from two senders at once (two pipeline stages, each its own layers); generate, parity
+    (log-probs, version, checksums), a second push moves the log-probs to the new weights; then a dead
+    server errors, never hangs."""
     import shutil
     import signal
     import tempfile
@@ -213,10 +230,11 @@ def test_server_in_private_mounts_gloo_push_from_two_stages_parity_and_dead_serv
     from megatron_grpo.rollout.vllm_engine import GeneratorError
     from megatron_grpo.rollout.vllm_server import VLLMServerEngine
 
-    prefix = _private_mount_prefix()
+    prefix, host = another_host
     model_dir = shutil.copytree(tiny_dense, os.path.join(tempfile.mkdtemp(dir="/var/tmp"), "tiny"))  # not under /tmp
     engine = VLLMServerEngine(model_dir, torch.float32, max_model_len=128, retry_timeout_s=5, weight_transfer="gloo",
-                              transfer_senders=2, launch_prefix=prefix)
+                              transfer_senders=2, launch_prefix=prefix, launch_host=host,
+                              request_timeout_s=180)  # a group that cannot form fails in minutes, not 10
     stage1 = {}
 
     def stage1_send(bucket):  # pipeline stage 1's rank: joins the group once, then sends its layers each push
@@ -238,7 +256,8 @@ def test_server_in_private_mounts_gloo_push_from_two_stages_parity_and_dead_serv
         return names + stage1["names"]
 
     try:
-        assert engine.url.startswith("http://127.0.0.1:")
+        assert engine.url.startswith(f"http://{host}:") and engine.num_workers() == 1
+        assert engine.transfer.endpoint.master_address == host[:-1] + "1"  # the route's source address
         rollouts = engine.generate([[5, 6, 7], [8, 9]], 2, Sampling(max_tokens=6, seed=1))
         assert len(rollouts) == 4 and all(len(r.logprobs) == len(r.completion_ids) > 0 for r in rollouts)
         probe = ProbeBatch([rollouts.items[0].prompt_ids + rollouts.items[0].completion_ids], [3])

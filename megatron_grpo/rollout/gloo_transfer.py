@@ -58,12 +58,34 @@ def register() -> None:
         WeightTransferTrainerFactory.register_engine(BACKEND, ENGINES_MODULE, "GlooTrainerWeightTransferEngine")
 
 
-def open_group(host: str, port: int, rank: int, world_size: int, timeout_s: float):
-    """This process's member of the transfer group (rank 0 hosts the store)."""
-    from vllm.distributed.utils import stateless_init_torch_distributed_process_group
+def route_address(host: str) -> str:
+    """This process's address on the route to ``host`` (a UDP connect picks the route and sends
+    nothing): what a peer that reaches ``host`` can reach back. Not ``gethostbyname(hostname)``: on a
+    multi-homed node, or in another network namespace, that address may be unreachable from ``host``."""
+    import socket
 
-    return stateless_init_torch_distributed_process_group(host, port, rank, world_size, "gloo",
-                                                          timeout=timedelta(seconds=timeout_s))
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((host, 9))
+            return s.getsockname()[0]
+    except OSError:
+        return socket.getfqdn()
+
+
+def open_group(host: str, port: int, rank: int, world_size: int, timeout_s: float):
+    """This process's member of the transfer group (rank 0 hosts the store at ``host:port``): a gloo
+    backend of its own, as vLLM's ``stateless_init_torch_distributed_process_group`` makes (the
+    trainer's and vLLM's default groups are never touched), but with gloo's device bound to
+    ``route_address(host)``. Left to itself gloo binds whatever the hostname resolves to, and a member
+    on another host (network namespace) then waits for pairs it can never connect (measured: a hang)."""
+    from torch.distributed import PrefixStore, ProcessGroupGloo, TCPStore
+
+    timeout = timedelta(seconds=timeout_s)
+    store = TCPStore(host, port, world_size, is_master=rank == 0, timeout=timeout, wait_for_workers=False)
+    options = ProcessGroupGloo._Options()
+    options._timeout = timeout
+    options._devices = [ProcessGroupGloo.create_device(hostname=route_address(host))]
+    return ProcessGroupGloo(PrefixStore("megatron_grpo/weight_transfer/", store), rank, world_size, options)
 
 
 # ---- the wire -----------------------------------------------------------------------------------------------

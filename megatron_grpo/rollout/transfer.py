@@ -66,19 +66,14 @@ def free_port(host: str) -> int:
 
 def default_address(server_url: Optional[str]) -> str:
     """Where the generator's workers reach trainer rank 0: loopback for local engines, else the address
-    of this host's interface that routes to the server (not ``gethostbyname(hostname)``, which is
-    127.0.1.1 on Debian)."""
+    of this host's interface that routes to the server (``gloo_transfer.route_address``)."""
     if server_url is None:
         return "127.0.0.1"
     from urllib.parse import urlparse
 
-    host = urlparse(server_url).hostname or "127.0.0.1"
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect((host, 9))  # UDP: picks the route, sends nothing
-            return s.getsockname()[0]
-    except OSError:
-        return socket.getfqdn()
+    from megatron_grpo.rollout.gloo_transfer import route_address
+
+    return route_address(urlparse(server_url).hostname or "127.0.0.1")
 
 
 class VLLMTransfer:

@@ -94,28 +94,29 @@ class VLLMServerEngine(RolloutEngine):
                  is_moe: bool = False, log_path: Optional[str] = None, tensor_parallel_size: int = 1,
                  cpu_bind: Optional[str] = None, devices: Optional[List[int]] = None, sleep_mode: bool = False,
                  weight_transfer: str = "file", transfer_address: Optional[str] = None, transfer_senders: int = 1,
-                 launch_prefix: Sequence[str] = ()):
+                 launch_prefix: Sequence[str] = (), launch_host: str = "127.0.0.1"):
         """``weight_transfer``: ``file`` or a vLLM weight-transfer backend (``transfer.py``);
         ``transfer_address``: where the server's workers reach this process (null: loopback for a
         launched server, this host's address for ``url``); ``transfer_senders``: gloo senders (this
         process is sender 0; one per pipeline stage); ``launch_prefix``: a command the launched
-        server runs under (e.g. ``unshare ...``: its own mount namespace)."""
+        server runs under (e.g. ``ip netns exec``, ``unshare ...``: its own network / mount namespace);
+        ``launch_host``: the address the launched server listens on (that namespace's)."""
         from megatron_grpo.rollout.transfer import VLLMTransfer, default_address
 
         self.dtype, self.model_dir, self.is_moe = dtype, model_dir, is_moe
         self.weight_transfer, self.pushed_digests = weight_transfer, {}
-        address = transfer_address or default_address(url)
+        address = transfer_address or default_address(url or f"http://{launch_host}")
         self._transfer = None if weight_transfer == "file" else VLLMTransfer(
             weight_transfer, ServerWeightSyncClient(self), address=address, num_workers=tensor_parallel_size,
             num_senders=transfer_senders, timeout_s=request_timeout_s)
-        self.launch_prefix = list(launch_prefix)
+        self.launch_prefix, self.launch_host = list(launch_prefix), launch_host
         self.tensor_parallel_size, self.cpu_bind, self.devices, self.sleep_mode = (tensor_parallel_size, cpu_bind,
                                                                                    devices, sleep_mode)
         self.request_timeout_s, self.retry_timeout_s = request_timeout_s, retry_timeout_s
         self._proc = None
         if url is None:
             port = _free_port()
-            self.url = f"http://127.0.0.1:{port}"
+            self.url = f"http://{launch_host}:{port}"
             self._launch(port, max_model_len, seed, kv_cache_gib, gpu_memory_utilization, log_path)
         else:
             self.url = url.rstrip("/")
@@ -125,7 +126,7 @@ class VLLMServerEngine(RolloutEngine):
 
     def _launch(self, port, max_model_len, seed, kv_cache_gib, gpu_memory_utilization, log_path) -> None:
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model_dir,
-               "--dtype", DTYPE_NAMES[self.dtype], "--host", "127.0.0.1", "--port", str(port), "--enforce-eager",
+               "--dtype", DTYPE_NAMES[self.dtype], "--host", self.launch_host, "--port", str(port), "--enforce-eager",
                "--max-model-len", str(max_model_len), "--logprobs-mode", "processed_logprobs", "--seed", str(seed),
                "--tensor-parallel-size", str(self.tensor_parallel_size), "--distributed-executor-backend",
                "uni" if self.tensor_parallel_size == 1 else "mp", "--gpu-memory-utilization", str(gpu_memory_utilization),
