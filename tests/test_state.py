@@ -48,3 +48,33 @@ def test_single_process_world_opens_no_network_listener():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                          env={k: v for k, v in __import__("os").environ.items() if k not in ("RANK", "WORLD_SIZE")})
     assert out.stdout.strip().splitlines()[-1] == "HashStore", out.stderr[-2000:]
+
+
+def _late_tp_collective():
+    """Megatron's TP group of 2 ranks with a 1 s collective timeout; rank 0 joins its all-reduce 4 s late."""
+    import time
+
+    import torch
+    from megatron.core import parallel_state as ps
+
+    from megatron_grpo.parallel import state
+
+    state.initialize_model_parallel(Layout(world_size=2, tp=2), timeout_minutes=1.0 / 60)
+    if ps.get_tensor_model_parallel_rank() == 0:
+        time.sleep(4.0)
+    started = time.monotonic()
+    try:
+        torch.distributed.all_reduce(torch.ones(1), group=ps.get_tensor_model_parallel_group())
+        timed_out = False
+    except Exception:  # noqa: BLE001 - gloo raises on a timed-out collective
+        timed_out = True
+    return ps.get_tensor_model_parallel_rank(), timed_out, time.monotonic() - started
+
+
+def test_collective_timeout_reaches_megatrons_groups():
+    """``cluster.distributed_timeout_minutes`` bounds a wait in Megatron's own groups (TP here), not only in
+    the default group: the early rank gives up after ~1 s instead of the 30-minute default."""
+    from tests._dist import run_distributed
+
+    results = {rank: (timed_out, waited) for rank, timed_out, waited in run_distributed(_late_tp_collective, 2)}
+    assert results[1][0] and results[1][1] < 3.5, results

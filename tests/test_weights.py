@@ -85,6 +85,7 @@ def check_pushes(pushes_by_rank, full, dtype=torch.bfloat16):
                 assert pushed[name].dtype == dtype and torch.equal(pushed[name], tensor.to(dtype)), name
         for pushed, calls in pushes:
             assert all(dt in (None, dtype) for _, dt in calls), calls  # cast before every gather / send
+            assert not [c for c in calls if c[0] in ("all_gather", "all_gather_object")], calls  # to the sender only
         assert not [c for c in pushes[1][1] if c[0].endswith("object_list")], "metadata sent again"
 
 
