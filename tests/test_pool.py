@@ -121,6 +121,15 @@ def test_fan_out_writes_once_reads_everywhere_and_restarts_only_the_dead_engine(
     assert built == [0, 1, 2, 1] and pool.versions() == [2, 0, 2]  # only the dead engine was rebuilt
     pool.update_weights(_buckets(2, []), version=2)
     assert pool.engines[1].policy_version == 2 and len(pool.engines[0].loaded) == 20  # engine 0 was not pushed again
+    refusing = pool.engines[2]
+    refusing.push_file = lambda path: (_ for _ in ()).throw(_generator_error("bad tensor name"))  # alive, refuses
+    with pytest.raises(Exception, match="engine 2 of 3: bad tensor name"):
+        pool.update_weights(_buckets(2, []), version=3)
+    assert refusing.policy_version == -1 and pool.versions()[:2] == [3, 3]  # its reload closed, no version claimed
+    assert _bucket_files() == before
+    del refusing.push_file
+    pool.update_weights(_buckets(2, []), version=3)  # engine 2 alone is behind: pushed again
+    assert pool.versions() == [3, 3, 3] and len(pool.engines[0].loaded) == 24
     pool.sleep(), pool.wake_up()
     assert all(e.slept == 0 for e in pool.engines)  # no-op unless sleep_between_steps (colocated on GPU)
     sleepy = EnginePool(lambda i: _FakeEngine(i), 2, sleep_between_steps=True)

@@ -175,20 +175,27 @@ def fan_out(buckets: Iterable[Bucket], engines: Sequence, version: int, *, names
     pushed: List[str] = []
 
     def feed(r: int) -> None:
-        engine, paths = engines[r], iter(feeds[r].get, None)
+        engine, paths, ending = engines[r], iter(feeds[r].get, None), False
         try:
             engine.begin_weight_push()
             for path in paths:
                 if isinstance(path, _Abort):  # the trainer's gather failed: close the reload, claim no version
+                    ending = True
                     engine.end_weight_push(UNKNOWN_VERSION)
                     return
                 engine.push_file(path)
+            ending = True
             engine.end_weight_push(version)
         except BaseException as exc:  # noqa: BLE001 - reported after the push
             errors[r] = exc
             for path in paths:  # the rest of this engine's buckets are never read
                 if not isinstance(path, _Abort):
                     _unlink(path)
+            if not ending and _alive(engine):  # a live engine that refused a bucket: close its reload (a
+                try:  # remote server is not restarted, and half-reloaded layers cannot generate)
+                    engine.end_weight_push(UNKNOWN_VERSION)
+                except Exception:  # noqa: BLE001 - the first error is the one reported
+                    pass
         finally:
             done[r].set()
 
