@@ -7,6 +7,8 @@ engine); the baseline clones the same HF-named tensors in memory. Side by side i
 and bytes moved per push (median of ``--repeats``), and the ratio to the copy (goal <= 3x).
 Usage: python tools/bench_weight_sync.py [--model DIR | --hidden 1024 --layers 8] [--dtype float32] [--repeats 5]
        [--transports file,gloo]
+       python tools/bench_weight_sync.py [--model DIR] --sparse-delta 1e-6,1e-5,1e-4 [--steps 3]
+         (what a bf16 sparse delta push would send: the share of bf16 weights one AdamW step changes)
 """
 
 from __future__ import annotations
@@ -53,6 +55,44 @@ def bench_copy(model, shape, dtype, repeats: int):
     return statistics.median(times), nbytes
 
 
+SPARSE_BYTES_PER_CHANGE = 4 + 2
+"""A bf16 sparse patch: an int32 flat index and a bf16 value per changed element (vLLM's sparse patches)."""
+
+
+def bench_sparse_delta(model, shape, lrs, steps: int, seed: int = 0):
+    """Per lr: the share of bf16 generator weights that change in one AdamW step (gradients drawn at
+    random: Adam's first steps move every element by ~lr whatever the gradient's scale), and the bytes a
+    bf16 sparse delta push (index + value per changed element) would send against the dense push.
+    Each lr starts from the same weights; rows are the median over ``steps`` steps."""
+    from megatron_grpo.models.qwen3 import unwrap
+    from megatron_grpo.models.weights import export_hf_tensors
+
+    params = [p for p in unwrap(model).parameters() if p.requires_grad]
+    start = [p.detach().clone() for p in params]
+    gen = torch.Generator().manual_seed(seed)
+    rows = []
+    for lr in lrs:
+        for p, p0 in zip(params, start):
+            p.data.copy_(p0)
+        opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+        before = {n: t.to(torch.bfloat16) for n, t in export_hf_tensors(model, shape)}
+        shares = []
+        for _ in range(steps):
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=gen)
+            opt.step()
+            after = {n: t.to(torch.bfloat16) for n, t in export_hf_tensors(model, shape)}
+            changed = sum(int((after[n] != before[n]).sum()) for n in after)
+            shares.append(changed / sum(t.numel() for t in after.values()))
+            before = after
+        dense = sum(t.numel() for t in before.values()) * 2
+        share = statistics.median(shares)
+        rows.append((lr, share, dense, share * dense / 2 * SPARSE_BYTES_PER_CHANGE))
+    for p, p0 in zip(params, start):
+        p.data.copy_(p0)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model", default=None, help="HF checkpoint dir (default: a fresh tiny Qwen3)")
@@ -62,6 +102,9 @@ def main() -> None:
     parser.add_argument("--bucket-mb", type=float, default=64.0)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--transports", default="file,gloo", help="comma-separated generation.weight_transfer values")
+    parser.add_argument("--sparse-delta", default=None, metavar="LRS",
+                        help="comma-separated lrs: measure what a bf16 sparse delta push would send instead (no vLLM)")
+    parser.add_argument("--steps", type=int, default=3, help="--sparse-delta: AdamW steps per lr")
     args = parser.parse_args()
 
     from megatron_grpo.models import build_from_hf
@@ -73,6 +116,14 @@ def main() -> None:
     dtype = getattr(torch, args.dtype)
     state.initialize_model_parallel(state.Layout(world_size=1))
     model, shape = build_from_hf(model_dir)
+    if args.sparse_delta:
+        print(f"model={model_dir}: bf16 elements changed by one AdamW step (random gradients, median of {args.steps} "
+              f"steps) and bytes per push, dense bf16 vs a sparse delta ({SPARSE_BYTES_PER_CHANGE} B per change)")
+        print(f"{'lr':>8}{'changed':>10}{'dense MiB':>11}{'sparse MiB':>12}{'sparse/dense':>14}")
+        for lr, share, dense, sparse in bench_sparse_delta(model, shape, [float(x) for x in args.sparse_delta.split(",")],
+                                                          args.steps):
+            print(f"{lr:>8.0e}{share:>10.2%}{dense / 2**20:>11.2f}{sparse / 2**20:>12.3f}{sparse / dense:>14.3f}")
+        return
     copy_s, copy_bytes = bench_copy(model, shape, dtype, args.repeats)
     rows = [(t, *bench_transport(model, shape, model_dir, dtype, t, args.bucket_mb, args.repeats))
             for t in args.transports.split(",")]
