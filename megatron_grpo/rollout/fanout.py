@@ -175,27 +175,8 @@ def fan_out(buckets: Iterable[Bucket], engines: Sequence, version: int, *, names
     pushed: List[str] = []
 
     def feed(r: int) -> None:
-        engine, paths, ending = engines[r], iter(feeds[r].get, None), False
         try:
-            engine.begin_weight_push()
-            for path in paths:
-                if isinstance(path, _Abort):  # the trainer's gather failed: close the reload, claim no version
-                    ending = True
-                    engine.end_weight_push(UNKNOWN_VERSION)
-                    return
-                engine.push_file(path)
-            ending = True
-            engine.end_weight_push(version)
-        except BaseException as exc:  # noqa: BLE001 - reported after the push
-            errors[r] = exc
-            for path in paths:  # the rest of this engine's buckets are never read
-                if not isinstance(path, _Abort):
-                    _unlink(path)
-            if not ending and _alive(engine):  # a live engine that refused a bucket: close its reload (a
-                try:  # remote server is not restarted, and half-reloaded layers cannot generate)
-                    engine.end_weight_push(UNKNOWN_VERSION)
-                except Exception:  # noqa: BLE001 - the first error is the one reported
-                    pass
+            errors[r] = _feed_files(engines[r], iter(feeds[r].get, None), version)
         finally:
             done[r].set()
 
@@ -225,6 +206,34 @@ def fan_out(buckets: Iterable[Bucket], engines: Sequence, version: int, *, names
             fanout.close()
     _raise_first(errors, names)
     return pushed
+
+
+def _feed_files(engine, paths: Iterable, version: int):
+    """One engine's side of ``fan_out``: its reload, each bucket file, the end with ``version``. Returns
+    its error (None). A trainer-side abort, or a live engine that refused a bucket, closes the reload
+    with ``UNKNOWN_VERSION`` (a remote server is not restarted; half-reloaded layers cannot generate)."""
+    ending = False
+    try:
+        engine.begin_weight_push()
+        for path in paths:
+            if isinstance(path, _Abort):  # the trainer's gather failed
+                ending = True
+                engine.end_weight_push(UNKNOWN_VERSION)
+                return None
+            engine.push_file(path)
+        ending = True
+        engine.end_weight_push(version)
+        return None
+    except BaseException as exc:  # noqa: BLE001 - reported after the push
+        for path in paths:  # the rest of this engine's buckets are never read
+            if not isinstance(path, _Abort):
+                _unlink(path)
+        if not ending and _alive(engine):
+            try:
+                engine.end_weight_push(UNKNOWN_VERSION)
+            except Exception:  # noqa: BLE001 - the first error is the one reported
+                pass
+        return exc
 
 
 def fan_out_streams(buckets: Iterable[Bucket], engines: Sequence, version: int, *,
