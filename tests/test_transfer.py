@@ -127,12 +127,19 @@ def test_gloo_trainer_engine_through_vllms_factory_drives_the_client_in_order():
     worker = WorkerSide()
     info = GlooTrainerInitInfo(master_address="127.0.0.1", master_port=_port(), num_senders=1, num_workers=1,
                                   timeout_s=60, rank=0)
+    def failing_gather():
+        yield _buckets(0)[0]
+        raise RuntimeError("gather failed")
+
     engine = WeightTransferTrainerFactory.trainer_init(info, client=worker)
     try:
         assert engine.send_weights(_buckets(0), version=7) == [n for b in _buckets(0) for n, _ in b]
+        with pytest.raises(RuntimeError, match="aborted by sender 0: RuntimeError: gather failed"):
+            engine.send_weights(failing_gather(), version=8)  # the worker's ABORT error wins: it names the sender
     finally:
         engine.shutdown()
-    assert worker.calls == [("init", 2, 1), ("start",), ("update", 7), ("finish", "7")]
+    assert worker.calls == [("init", 2, 1), ("start",), ("update", 7), ("finish", "7"),
+                            ("start",), ("update", 8), ("finish", None)]  # the reload closed, version 8 not claimed
     assert all(torch.equal(t, dict(worker.loaded)[n]) for b in _buckets(0) for n, t in b)
 
 

@@ -219,12 +219,19 @@ def push_round(client, sender: GlooSender, buckets: Iterable[Bucket], version: i
     receive inside it) while the buckets go out, finish with our version. Other senders call
     ``sender.send_buckets`` concurrently on their ranks."""
     client.start_weight_update()
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="wt-update") as pool:
-        received = pool.submit(client.update_weights, dict(version=int(version)))
-        try:
-            names = sender.send_buckets(buckets)
-        finally:
-            received.result()  # the workers' error (a refused name) wins over ours: it says more
+    try:
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="wt-update") as pool:
+            received = pool.submit(client.update_weights, dict(version=int(version)))
+            try:
+                names = sender.send_buckets(buckets)
+            finally:
+                received.result()  # the workers' error (a refused name) wins over ours: it says more
+    except BaseException:
+        try:  # close the workers' layerwise reload (no new version): a half-open one leaves layers unusable
+            client.finish_weight_update(None)
+        except Exception:  # noqa: BLE001 - the round's error is the one to report
+            pass
+        raise
     client.finish_weight_update(str(version))
     return names
 
