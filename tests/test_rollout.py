@@ -164,26 +164,47 @@ def test_async_pipeline_is_max_staleness_deep_and_probes_at_temperature_one(tmp_
     assert max(r["policy/kl_rollout"] for r in rows[2:]) > 0  # two versions of lag: alpha is policy movement
 
 
-PRIVATE_MOUNTS = ["unshare", "--mount", "--propagation", "private", "sh", "-c",
-                  'mount -t tmpfs tmpfs /dev/shm && mount -t tmpfs tmpfs /tmp && exec "$@"', "another-host"]
-"""Runs a command with its own /dev/shm and /tmp (a private mount namespace): nothing shared on disk."""
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PRIVATE_MOUNTS_SCRIPT = r"""set -e
+mount -t tmpfs tmpfs /dev/shm
+[ -z "$KEEP" ] || mount --bind /tmp "$STASH"
+mount -t tmpfs tmpfs /tmp
+for p in $KEEP; do mkdir -p "$p"; mount --bind "$STASH${p#/tmp}" "$p"; done
+[ -z "$KEEP" ] || umount -l "$STASH"
+exec "$@"
+"""
+"""Own /dev/shm and /tmp; the paths under /tmp the server runs from (``$KEEP``: its Python, this checkout,
+when a CI clones under /tmp) are bound back from the old /tmp, reached through ``$STASH`` and let go."""
+
+
+def private_mounts(stash: str):
+    """A command prefix: run with its own /dev/shm and /tmp (a private mount namespace), nothing shared on
+    disk but what the server itself runs from."""
+    import sys
+
+    keep = sorted({os.path.realpath(p) for p in (sys.prefix, ROOT)
+                   if os.path.realpath(p).startswith("/tmp/")})
+    return ["unshare", "--mount", "--propagation", "private", "env", f"KEEP={' '.join(keep)}", f"STASH={stash}",
+            "sh", "-c", PRIVATE_MOUNTS_SCRIPT, "another-host"]
 
 
 @pytest.fixture
-def another_host():
+def another_host(tmp_path_factory):
     """A network namespace reached over a veth pair (trainer side 10.231.N.1, server side 10.231.N.2) and a
     launch prefix that runs a process inside it with its own /dev/shm and /tmp: a generator host as a cluster
     has it (another address, another route, nothing shared but the network). Where network namespaces are not
     permitted, the private mounts alone on 127.0.0.1. Yields (prefix, server address)."""
     import shutil
     import subprocess
+    import tempfile
 
     if shutil.which("unshare") is None:
         pytest.skip("unshare (util-linux) is not installed: the other-host server test needs it")
-    probe = subprocess.run(PRIVATE_MOUNTS[:4] + ["sh", "-c", "mount -t tmpfs tmpfs /dev/shm"], capture_output=True,
-                           text=True)
+    probe = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c",
+                            "mount -t tmpfs tmpfs /dev/shm"], capture_output=True, text=True)
     if probe.returncode != 0:
         pytest.skip(f"unshare --mount is not permitted here (needs root / CAP_SYS_ADMIN): {probe.stderr.strip()}")
+    stash = tempfile.mkdtemp(prefix="mgrpo-stash-", dir="/var/tmp")  # outside /tmp: a mount point for the old one
     n = os.getpid() % 250 + 1
     ns, ours, theirs = f"mgrpo{os.getpid()}", f"vt{os.getpid()}"[:15], f"vs{os.getpid()}"[:15]
     setup = [["ip", "netns", "add", ns], ["ip", "link", "add", ours, "type", "veth", "peer", "name", theirs, "netns", ns],
@@ -197,12 +218,13 @@ def another_host():
 
                 warnings.warn(f"no network namespace here ({' '.join(cmd)} failed or no iproute2): the server "
                               "gets private mounts on 127.0.0.1 only")
-                yield PRIVATE_MOUNTS, "127.0.0.1"
+                yield private_mounts(stash), "127.0.0.1"
                 return
-        yield ["ip", "netns", "exec", ns] + PRIVATE_MOUNTS, f"10.231.{n}.2"
+        yield ["ip", "netns", "exec", ns] + private_mounts(stash), f"10.231.{n}.2"
     finally:
         subprocess.run(["ip", "link", "del", ours], capture_output=True)
         subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        shutil.rmtree(stash, ignore_errors=True)
 
 
 def _hf_scores(model_dir, weights, sequences, prompt_lens):
@@ -241,9 +263,13 @@ def test_server_on_another_host_gloo_push_from_two_stages_parity_and_dead_server
 
     prefix, host = another_host
     model_dir = shutil.copytree(tiny_dense, os.path.join(tempfile.mkdtemp(dir="/var/tmp"), "tiny"))  # not under /tmp
-    engine = VLLMServerEngine(model_dir, torch.float32, max_model_len=128, retry_timeout_s=5, weight_transfer="gloo",
-                              transfer_senders=2, launch_prefix=prefix, launch_host=host,
-                              request_timeout_s=180)  # a group that cannot form fails in minutes, not 10
+    try:
+        engine = VLLMServerEngine(model_dir, torch.float32, max_model_len=128, retry_timeout_s=5,
+                                  weight_transfer="gloo", transfer_senders=2, launch_prefix=prefix, launch_host=host,
+                                  request_timeout_s=180)  # a group that cannot form fails in minutes, not 10
+    except BaseException:
+        shutil.rmtree(os.path.dirname(model_dir), ignore_errors=True)
+        raise
     stage1 = {}
 
     def stage1_send(bucket):  # pipeline stage 1's rank: joins the group once, then sends its layers each push
