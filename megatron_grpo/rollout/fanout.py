@@ -217,9 +217,8 @@ def _feed_files(engine, paths: Iterable, version: int):
         engine.begin_weight_push()
         for path in paths:
             if isinstance(path, _Abort):  # the trainer's gather failed
-                ending = True
-                engine.end_weight_push(UNKNOWN_VERSION)
-                return None
+                version = UNKNOWN_VERSION
+                break
             engine.push_file(path)
         ending = True
         engine.end_weight_push(version)
