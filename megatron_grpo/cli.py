@@ -43,15 +43,15 @@ def _parity_demo(args) -> int:
 
 
 def _train(args) -> int:
-    from megatron_grpo.train import main as train_main
+    from megatron_grpo.trainer.loop import main as train_main
 
     return train_main(args.recipe, args.overrides, dry_run=args.dry_run, world_size=args.world_size,
                       as_json=args.json)
 
 
 def _export_hf(args) -> int:
-    from megatron_grpo.checkpoint import CheckpointError
-    from megatron_grpo.export import export_hf
+    from megatron_grpo.checkpoint.folders import CheckpointError
+    from megatron_grpo.checkpoint.export import export_hf
 
     try:
         report = export_hf(args.checkpoint_dir, args.out_dir, dtype=args.dtype, model_dir=args.model_dir)
@@ -63,7 +63,7 @@ def _export_hf(args) -> int:
 
 
 def _doctor(args) -> int:
-    from megatron_grpo.doctor import doctor
+    from megatron_grpo.observe.doctor import doctor
 
     try:
         return max(doctor(run) for run in args.runs)
@@ -73,7 +73,7 @@ def _doctor(args) -> int:
 
 
 def _plot(args) -> int:
-    from megatron_grpo.plots import make_figures
+    from megatron_grpo.observe.plots import make_figures
 
     out = args.out or os.path.join(args.runs[0], "figures")
     for path in make_figures(args.runs, out):
@@ -82,7 +82,7 @@ def _plot(args) -> int:
 
 
 def _report(args) -> int:
-    from megatron_grpo.plots import build_report
+    from megatron_grpo.observe.plots import build_report
 
     print(build_report(args.sweep, args.seed, args.html))
     return 0
@@ -142,7 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    from megatron_grpo import quiet
+    from megatron_grpo.observe import quiet
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     args = build_parser().parse_args(argv)

@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from megatron_grpo import checkpoint as ckpt
+from megatron_grpo.checkpoint import folders as ckpt
 from tests.test_train import run_cli
 
 pytestmark = pytest.mark.vllm
@@ -83,7 +83,7 @@ def _assert_error_then_fallback(root, culprit, caplog, expected=1):
     with pytest.raises(ckpt.CheckpointError, match="fallback_to_previous") as err:
         ckpt.resolve_for_load(root, fallback_to_previous=False)
     assert culprit in str(err.value)
-    with caplog.at_level(logging.WARNING, logger="megatron_grpo.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="megatron_grpo.checkpoint.folders"):
         assert ckpt.resolve_for_load(root, fallback_to_previous=True) == ckpt.step_dir(root, expected)
     assert culprit in caplog.text and f"resuming from {ckpt.step_dir(root, expected)}" in caplog.text
 
@@ -263,7 +263,7 @@ def _train_step(st, rows, step):
     every row after the update (they show the optimizer state's effect: moments and step)."""
     import torch
 
-    from megatron_grpo.forward import pack
+    from megatron_grpo.trainer.forward import pack
     from tests.test_routing import PROMPT, ROWS, SEQ, _metrics, _sequences, _step_batch
 
     metrics = _metrics(st, _step_batch(torch.full((ROWS, SEQ), -7.0), _advantages(step), rows=rows))
@@ -291,7 +291,7 @@ def _save_worker(models, root):
     """2 ranks, each layout of LAYOUTS: step 1, save (EP=2: asynchronously, finalized after step 2);
     step 2 (the uninterrupted run); TP=2: a save of step 2 that fails on rank 1 (full disk), then
     one that works. Returns the step-2 results."""
-    from megatron_grpo import resume
+    from megatron_grpo.checkpoint import resume
 
     results = {}
     for name, (model, layout, overrides) in LAYOUTS.items():
@@ -322,7 +322,9 @@ def _resume_worker(models, root):
     trainer's logits right after loading the TP=2 checkpoint (for the HF export)."""
     import torch
 
-    from megatron_grpo import resume, sharded_state
+    from megatron_grpo.checkpoint import resume
+
+    from megatron_grpo.checkpoint import sharded_state
     from megatron_grpo.models import forward_logits
 
     results = {}
@@ -373,7 +375,7 @@ def test_resume_at_another_layout_continues_like_the_uninterrupted_run(tmp_path,
 def test_a_distributed_optimizer_range_becomes_row_rectangles():
     """A rank's flat range of a [rows, cols] weight is saved as a partial first row, whole rows and
     a partial last row, per block of rows (a GLU half), covering the range exactly."""
-    from megatron_grpo.sharded_state import _rectangles
+    from megatron_grpo.checkpoint.sharded_state import _rectangles
 
     assert list(_rectangles(3, 17, 0, 4, 5)) == [(0, 1, 3, 2), (1, 2, 0, 5), (3, 1, 0, 2)]
     assert list(_rectangles(3, 17, 2, 4, 5)) == [(0, 1, 0, 5), (1, 1, 0, 2)]  # rows [2, 4) only
@@ -425,7 +427,7 @@ def _install_fused_adam():
 
 def _adam_snapshot(st):
     """The weights, this rank's Adam moments and both forms of its step count."""
-    from megatron_grpo import sharded_state
+    from megatron_grpo.checkpoint import sharded_state
 
     opt = st.optimizer.megatron
     states = [ps.state for ps in sharded_state.param_states(opt)]
@@ -443,7 +445,9 @@ def _fused_adam_worker(model_dir, root, steps=3, saved_at=1):
     import megatron.core.optimizer as megatron_optimizer
     import torch
 
-    from megatron_grpo import resume, sharded_state
+    from megatron_grpo.checkpoint import resume
+
+    from megatron_grpo.checkpoint import sharded_state
     from megatron_grpo.parallel import state
 
     fused, ck = _install_fused_adam(), os.path.join(root, "fused")
@@ -528,7 +532,7 @@ def _check_hf_export(path, out, ids, trainer_logits):
     from safetensors import safe_open
 
     from megatron_grpo.cli import main
-    from megatron_grpo.export import export_hf
+    from megatron_grpo.checkpoint.export import export_hf
 
     baseline, seen = _live_tensor_bytes(), []
     report = export_hf(path, out, progress=lambda unit: seen.append(_live_tensor_bytes() - baseline))
@@ -561,7 +565,7 @@ def test_tampered_trainer_state_cannot_run_code_on_resume(tmp_path):
     CheckpointError naming the file) and its payload never runs."""
     import torch
 
-    from megatron_grpo.resume import read_trainer_state
+    from megatron_grpo.checkpoint.resume import read_trainer_state
 
     marker = tmp_path / "pwned"
     torch.save({"step": 1, "payload": _Exploit(str(marker))}, tmp_path / ckpt.STATE_FILE)

@@ -11,7 +11,7 @@ import warnings
 
 import pytest
 
-from megatron_grpo import quiet
+from megatron_grpo.observe import quiet
 from megatron_grpo.cli import main
 from tests.test_doctor import precision_config, step_row, write_run
 
@@ -53,7 +53,7 @@ def test_plot_command_writes_the_first_figures(two_runs, tmp_path, capsys):
     names = set(os.listdir(out))
     assert {"reward.png", "beta_by_rarity.png", "clip_fractions.png", "deployed_improvement.png",
             "timing.png"} <= names
-    from megatron_grpo.plots import load_runs, timing_figure
+    from megatron_grpo.observe.plots import load_runs, timing_figure
 
     fig = timing_figure(load_runs(list(two_runs)))
     assert [round(p.get_height(), 3) for p in fig.axes[0].patches][:5] == [1.0, 0.01, 2.0, 0.5, 0.2]
@@ -133,8 +133,8 @@ def test_verbose_installs_no_filter_and_reaches_the_generator(monkeypatch):
 
 
 def _tracker_logger(tmp_path, **logger_keys):
-    from megatron_grpo.config import Config, from_dict, to_dict
-    from megatron_grpo.metrics_logger import MetricsLogger, build_trackers
+    from megatron_grpo.config.schema import Config, from_dict, to_dict
+    from megatron_grpo.observe.metrics_logger import MetricsLogger, build_trackers
 
     cfg = from_dict(Config, {"logger": {"log_dir": str(tmp_path), **logger_keys}})
     trackers = build_trackers(cfg.logger, to_dict(cfg))

@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from megatron_grpo.config import Config, PrecisionConfig, from_dict
-from megatron_grpo.recipe import load_recipe
+from megatron_grpo.config.schema import Config, PrecisionConfig, from_dict
+from megatron_grpo.config.recipe import load_recipe
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPES = sorted(glob.glob(os.path.join(ROOT, "recipes", "*.yaml")))
@@ -118,7 +118,7 @@ def test_a_file_that_is_not_a_recipe_is_named_without_echoing_it(tmp_path):
      r"reward.timeout_s=600.0 must be below cluster.distributed_timeout_minutes=5.0 x 60 s"),
 ])
 def test_cluster_timeouts_are_checked(data, message):
-    from megatron_grpo.config import from_dict
+    from megatron_grpo.config.schema import from_dict
 
     with pytest.raises(ValueError, match=message):
         from_dict(Config, data)

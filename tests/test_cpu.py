@@ -8,7 +8,7 @@ from tests._dist import run_distributed
 
 @pytest.mark.parametrize("mode", ["fp32", "bf16_autocast", "bf16_params"])
 def test_forward_backward_runs_on_cpu(mode, tiny_dense, megatron_single):
-    from megatron_grpo.logprobs import token_log_probs
+    from megatron_grpo.parallel.logprobs import token_log_probs
     from megatron_grpo.models import build_from_hf, forward_logits
 
     params_dtype = torch.bfloat16 if mode == "bf16_params" else torch.float32

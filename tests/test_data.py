@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from megatron_grpo.data import PromptSampler, load_prompts
+from megatron_grpo.trainer.data import PromptSampler, load_prompts
 
 
 def test_jsonl_prompts_text_and_ids(tmp_path, tiny_dense):

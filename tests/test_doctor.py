@@ -7,8 +7,8 @@ import math
 import pytest
 import yaml
 
-from megatron_grpo import doctor
-from megatron_grpo.doctor import LiveDoctor, diagnose, read_config, read_metrics
+from megatron_grpo.observe import doctor
+from megatron_grpo.observe.doctor import LiveDoctor, diagnose, read_config, read_metrics
 
 
 def precision_config(compute, generation, ratio="train", correction=None, replay="none"):

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from megatron_grpo.logprobs import token_log_probs
+from megatron_grpo.parallel.logprobs import token_log_probs
 from tests._dist import run_distributed
 
 

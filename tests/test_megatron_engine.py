@@ -18,13 +18,13 @@ PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16, 17], [18, 19, 20, 21]
 
 
 def _engine(model_dir, model, dtype=torch.float32):
-    from megatron_grpo.rollout.megatron_engine import MegatronEngine
+    from megatron_grpo.rollout.engines.megatron_engine import MegatronEngine
 
     return MegatronEngine(model_dir, dtype, model=model, max_model_len=128)
 
 
 def _trainer_logprobs(model, rollouts, temperature, dtype=torch.float32):
-    from megatron_grpo.forward import completion_scores, forward_log_probs, pack
+    from megatron_grpo.trainer.forward import completion_scores, forward_log_probs, pack
 
     packed = pack([r.prompt_ids + r.completion_ids for r in rollouts], [len(r.prompt_ids) for r in rollouts])
     lp = forward_log_probs(model, packed, compute_dtype=dtype, params_dtype=torch.float32, temperature=temperature)
@@ -100,10 +100,10 @@ def test_score_versions_and_async_handles(dense):
 
 
 def test_recipe_config_and_memory_plan(tiny_dense):
-    from megatron_grpo.config import Config, from_dict
+    from megatron_grpo.config.schema import Config, from_dict
     from megatron_grpo.models import load_hf_config, shape_from_hf
-    from megatron_grpo.plan import memory_plan
-    from megatron_grpo.recipe import load_recipe
+    from megatron_grpo.trainer.plan import memory_plan
+    from megatron_grpo.config.recipe import load_recipe
 
     cfg = load_recipe(RECIPE, [])
     assert cfg.generation.backend == "megatron" and cfg.grpo.num_generations_per_prompt == 16  # the tiny recipe's

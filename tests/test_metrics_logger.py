@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from megatron_grpo.metrics_logger import MetricsLogger, read_metrics_rows
+from megatron_grpo.observe.metrics_logger import MetricsLogger, read_metrics_rows
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TORN = b'{"step": 3, "reward/me'
@@ -62,9 +62,9 @@ def test_an_unparsable_line_before_the_last_names_file_and_line(tmp_path):
 
 
 def test_readers_ignore_a_torn_last_line_without_changing_the_file(tmp_path, caplog):
-    from megatron_grpo.doctor import read_metrics
-    from megatron_grpo.plots import load_runs
-    from megatron_grpo.summary import write_summary
+    from megatron_grpo.observe.doctor import read_metrics
+    from megatron_grpo.observe.plots import load_runs
+    from megatron_grpo.observe.summary import write_summary
 
     sys.path.insert(0, os.path.join(ROOT, "tools"))
     from sweep import read_rows

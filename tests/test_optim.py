@@ -177,7 +177,7 @@ def test_lr_schedule_linear_warmup_then_cosine(tiny_dense, megatron_single):
      r"master_weights=false cannot be combined with policy\.megatron_cfg\.optimizer\.use_distributed_optimizer"),
 ], ids=["old-optimizer-key", "old-cluster-key", "no-master-fp32", "no-master-distributed"])
 def test_config_errors_name_the_key(overrides, match):
-    from megatron_grpo.recipe import load_recipe
+    from megatron_grpo.config.recipe import load_recipe
 
     with pytest.raises(ValueError, match=match):
         load_recipe(RECIPE, overrides)

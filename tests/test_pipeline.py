@@ -18,7 +18,7 @@ def _one_step(model_dir, pp):
     from megatron.core import parallel_state as ps
 
     from megatron_grpo.loss import finalize
-    from megatron_grpo.metrics_logger import to_host
+    from megatron_grpo.observe.metrics_logger import to_host
     from megatron_grpo.models.qwen3 import load_hf_config, shape_from_hf
     from megatron_grpo.models.weights import export_hf_tensors
     from megatron_grpo.parallel import state

@@ -9,11 +9,11 @@ import os
 import pytest
 import torch
 
-from megatron_grpo.config import Config, from_dict
+from megatron_grpo.config.schema import Config, from_dict
 from megatron_grpo.models.qwen3 import ModelShape, load_hf_config, shape_from_hf
-from megatron_grpo.plan import (GIB, check_fits, count_params, format_plan, layer_activation_bytes, memory_plan,
+from megatron_grpo.trainer.plan import (GIB, check_fits, count_params, format_plan, layer_activation_bytes, memory_plan,
                                 optimizer_bytes, optimizer_state)
-from megatron_grpo.recipe import load_recipe
+from megatron_grpo.config.recipe import load_recipe
 from tests._dist import run_distributed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -97,7 +97,7 @@ def _allocated_vs_planned(model_dir, world_size, **flat):
     the distributed optimizer remaps the params there; optimizer: ``Optimizer.state_bytes()`` plus
     any main-param gradient that is not a view of DDP's buffer (the fp32 copy of half grads)."""
     from megatron_grpo.models import build_from_hf
-    from megatron_grpo.optim import Optimizer, wrap_model
+    from megatron_grpo.trainer.optim import Optimizer, wrap_model
 
     flat = {"policy.model_name": model_dir, "policy.megatron_cfg.optimizer.clip_grad": 0.0, **flat}
     cfg = _cfg_of(**flat)
@@ -235,7 +235,7 @@ def test_cluster_recipes_fit_with_the_distributed_optimizer(recipe, world, monke
 
 
 def test_dry_run_prints_the_table_and_json(capsys, monkeypatch):
-    from megatron_grpo.train import main
+    from megatron_grpo.trainer.loop import main
 
     monkeypatch.chdir(ROOT)
     recipe, world = CLUSTER[0]
@@ -257,7 +257,7 @@ def test_format_plan_lists_terms_and_total():
 
 
 def test_a_real_run_checks_the_plan_before_building_anything(tiny_dense, capsys, monkeypatch):
-    from megatron_grpo import train
+    from megatron_grpo.trainer import loop as train
 
     monkeypatch.setattr(train, "GRPOTrainer", lambda cfg: pytest.fail("built a trainer past the memory check"))
     recipe = os.path.join(ROOT, "recipes", "grpo-tiny-eos-cpu.yaml")
@@ -269,7 +269,7 @@ def test_a_real_run_checks_the_plan_before_building_anything(tiny_dense, capsys,
 def test_push_reference_routes_and_moe_terms_by_hand():
     """The weight push's buffers (stage leaders), a reference model, MoE dispatch activations and the routing
     records (R3 adds the generator's routes) are counted; the megatron backend pushes nothing."""
-    from megatron_grpo.plan import largest_hf_tensor
+    from megatron_grpo.trainer.plan import largest_hf_tensor
 
     cfg = from_dict(Config, {"policy": {"train_micro_batch_size": 2, "precision": {"compute_dtype": "bfloat16",
                                                                                  "generation_dtype": "bfloat16"},
@@ -299,7 +299,7 @@ def test_push_buffers_hold_whole_layers_as_the_exported_checkpoint_has_them(tiny
     from safetensors import safe_open
 
     from megatron_grpo.models.qwen3 import load_hf_config, shape_from_hf
-    from megatron_grpo.plan import layer_hf_elements
+    from megatron_grpo.trainer.plan import layer_hf_elements
 
     for model_dir in (tiny_dense, tiny_moe):
         with safe_open(os.path.join(model_dir, "model.safetensors"), "pt") as f:

@@ -62,7 +62,7 @@ class _FakeEngine:
 
 
 def _generator_error(message):
-    from megatron_grpo.rollout.vllm_engine import GeneratorError
+    from megatron_grpo.rollout.engines.vllm_engine import GeneratorError
 
     return GeneratorError(message)
 
@@ -88,7 +88,7 @@ def test_shards_seeds_and_placement_do_not_depend_on_the_engine_count():
            [(r.prompt_index, r.prompt_ids, r.completion_ids) for r in one]
     assert [r.completion_ids[0] for r in three] == [100 + p * 3 + i for p in range(5) for i in range(3)]
 
-    from megatron_grpo.config import GenerationConfig
+    from megatron_grpo.config.schema import GenerationConfig
 
     g = GenerationConfig(num_engines=2, tensor_parallel_size=2)
     assert [(s.ranks, s.devices) for s in engine_placement(g, 4)] == [([0, 1], [0, 1]), ([2, 3], [2, 3])]
@@ -167,7 +167,7 @@ def test_a_failed_gather_aborts_the_push_instead_of_committing_partial_weights(e
     """The trainer's side fails after 2 of its buckets: every engine hears it (file seam: the reload is closed
     with the unknown version; stream: the stream raises, so gloo sends ABORT, not END), no engine claims the
     new version, the trainer's error propagates, and the next push goes to every engine."""
-    from megatron_grpo.rollout.fanout import UNKNOWN_VERSION
+    from megatron_grpo.rollout.transfer.fanout import UNKNOWN_VERSION
 
     pool = EnginePool(lambda i: engine_cls(i), 2)
     before = _bucket_files()
@@ -210,7 +210,7 @@ def test_two_engine_async_run_restarts_a_killed_engine_without_losing_a_step(tmp
 
 @pytest.fixture(scope="module")
 def pool(tiny_dense):
-    from megatron_grpo.rollout.vllm_engine import VLLMEngine
+    from megatron_grpo.rollout.engines.vllm_engine import VLLMEngine
 
     binds = cpu_bindings(2, 1, sorted(os.sched_getaffinity(0)))
     engines = EnginePool(lambda i: VLLMEngine(tiny_dense, torch.float32, max_model_len=128, cpu_bind=binds[i]), 2)
@@ -257,7 +257,7 @@ def test_two_engines_give_exactly_the_rollouts_of_one(pool):
 def test_one_push_reaches_both_engines_and_the_probe_names_a_stale_one(pool, tiny_dense):
     from safetensors.torch import load_file
 
-    from megatron_grpo.rollout.fanout import fan_out
+    from megatron_grpo.rollout.transfer.fanout import fan_out
     from megatron_grpo.rollout.parity import ParityError, ProbeBatch, check_parity
 
     base = load_file(os.path.join(tiny_dense, "model.safetensors"))
@@ -280,9 +280,9 @@ def test_engine_placement_stays_on_rank0s_node_and_never_wraps_onto_trainer_gpus
     """Multi-node: rank 0 spawns every local engine on its own node (LOCAL_WORLD_SIZE of the world's ranks);
     engines that do not fit there are an error on GPU (CPU: they share the cores), and a device index past
     the visible GPUs is an error instead of a wrap onto a trainer's GPU."""
-    from megatron_grpo import setup
-    from megatron_grpo.config import Config, GenerationConfig, from_dict
-    from megatron_grpo.train import describe_layout
+    from megatron_grpo.trainer import build as setup
+    from megatron_grpo.config.schema import Config, GenerationConfig, from_dict
+    from megatron_grpo.trainer.loop import describe_layout
 
     colocated = GenerationConfig(num_engines=2, tensor_parallel_size=4, colocated=True)
     slots = engine_placement(colocated, 16, local_world_size=8, num_local_gpus=8)  # 2 nodes x 8 GPUs

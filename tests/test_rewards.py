@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from megatron_grpo.rewards import REWARDS, compute_rewards, get_reward_fn, negative_length
+from megatron_grpo.trainer.rewards import REWARDS, compute_rewards, get_reward_fn, negative_length
 
 
 def test_negative_length():
@@ -97,7 +97,7 @@ def _score_on_two_ranks(calls_file):
     import torch.distributed as dist
 
     from megatron_grpo.parallel import comm, state
-    from megatron_grpo.rewards import score_once
+    from megatron_grpo.trainer.rewards import score_once
 
     os.environ["REWARD_CALLS"] = calls_file
     state.init_distributed(timeout_minutes=2.0 / 60)  # cluster.distributed_timeout_minutes: 2 s
@@ -143,7 +143,7 @@ def test_rewards_scored_once_broadcast_and_agreed_with_the_collective_timeout(tm
 def test_agreed_timeout_defaults_below_the_collective_timeout():
     """Unset ``reward.timeout_s`` with several ranks: rank 0 gives up (and tells every rank) before the others'
     collective times out; one process keeps no limit; a set value wins."""
-    from megatron_grpo.rewards import agreed_timeout_s
+    from megatron_grpo.trainer.rewards import agreed_timeout_s
 
     assert agreed_timeout_s(None, 30.0, 1) is None
     assert agreed_timeout_s(None, 30.0, 8) == pytest.approx(0.9 * 1800)

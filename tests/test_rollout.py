@@ -33,7 +33,7 @@ def _hf_completion_logprobs(model_dir, rollouts, dtype, temperature):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_generate_n_completions_with_logprobs_matching_transformers(dtype, tiny_dense):
-    from megatron_grpo.rollout.vllm_engine import VLLMEngine
+    from megatron_grpo.rollout.engines.vllm_engine import VLLMEngine
 
     engine = VLLMEngine(tiny_dense, dtype, max_model_len=128)
     try:
@@ -57,12 +57,12 @@ def _push_worker(model_dir, tp, transport):
     """Rank 0 hosts vLLM; every rank perturbs its shard, pushes, and runs the probe."""
     import torch.distributed as dist
 
-    from megatron_grpo import forward as F
+    from megatron_grpo.trainer import forward as F
     from megatron_grpo.models import build_from_hf
     from megatron_grpo.parallel import comm, state
     from megatron_grpo.rollout.parity import ParityError, ProbeBatch, check_parity
-    from megatron_grpo.rollout.vllm_engine import VLLMEngine
-    from megatron_grpo.rollout.weight_sync import push_weights
+    from megatron_grpo.rollout.engines.vllm_engine import VLLMEngine
+    from megatron_grpo.rollout.transfer.weight_sync import push_weights
 
     state.initialize_model_parallel(state.Layout(world_size=int(os.environ["WORLD_SIZE"]), tp=tp))
     from megatron.core import parallel_state as ps
@@ -255,11 +255,11 @@ def test_server_on_another_host_gloo_push_from_two_stages_parity_and_dead_server
 
     from safetensors.torch import load_file
 
-    from megatron_grpo.rollout.fanout import SharedFileFanout
-    from megatron_grpo.rollout.gloo_transfer import GlooSender
+    from megatron_grpo.rollout.transfer.fanout import SharedFileFanout
+    from megatron_grpo.rollout.transfer.gloo_transfer import GlooSender
     from megatron_grpo.rollout.parity import ProbeBatch, check_parity, check_weights
-    from megatron_grpo.rollout.vllm_engine import GeneratorError
-    from megatron_grpo.rollout.vllm_server import VLLMServerEngine
+    from megatron_grpo.rollout.engines.vllm_engine import GeneratorError
+    from megatron_grpo.rollout.engines.vllm_server import VLLMServerEngine
 
     prefix, host = another_host
     model_dir = shutil.copytree(tiny_dense, os.path.join(tempfile.mkdtemp(dir="/var/tmp"), "tiny"))  # not under /tmp

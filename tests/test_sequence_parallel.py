@@ -58,7 +58,7 @@ def _logits(st):
 def _results(dense, moe, old, adv, routes):
     """Dense: logits, log-probs, reduced grads. MoE (aux + z losses, R3): the routing record of a
     no-grad forward, reduced grads, one training step replaying ``routes``, log-probs after it."""
-    from megatron_grpo.forward import pack
+    from megatron_grpo.trainer.forward import pack
     from megatron_grpo.models import unwrap
 
     packed = pack(_sequences(), [PROMPT] * ROWS, 0)
@@ -108,7 +108,7 @@ def _close_grads(got, ref, rel):
 
 
 def test_tp2_sequence_parallel_matches_one_process(tiny_dense, tiny_moe, megatron_single):
-    from megatron_grpo.forward import pack
+    from megatron_grpo.trainer.forward import pack
 
     st = _stepper(tiny_moe)
     old = st.lowp_log_probs(pack(_sequences(), [PROMPT] * ROWS, 0))
@@ -136,9 +136,9 @@ def test_tp2_sequence_parallel_matches_one_process(tiny_dense, tiny_moe, megatro
 
 
 def test_moe_with_tp2_refuses_sequence_parallel_false(tiny_moe, tiny_dense, capsys):
-    from megatron_grpo import train
+    from megatron_grpo.trainer import loop as train
     from megatron_grpo.models.qwen3 import load_hf_config, resolve_sequence_parallel, shape_from_hf
-    from megatron_grpo.recipe import load_recipe
+    from megatron_grpo.config.recipe import load_recipe
 
     moe, dense = (shape_from_hf(load_hf_config(d)) for d in (tiny_moe, tiny_dense))
     assert resolve_sequence_parallel(None, 2, moe) and not resolve_sequence_parallel(None, 1, moe)

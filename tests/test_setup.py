@@ -7,11 +7,11 @@ import types
 import pytest
 import torch
 
-from megatron_grpo.config import Config, from_dict
+from megatron_grpo.config.schema import Config, from_dict
 
 
 def test_engine_env():
-    from megatron_grpo.setup import engine_env
+    from megatron_grpo.trainer.build import engine_env
 
     assert engine_env("float32", False, cuda=True) == {"TRITON_F32_DEFAULT": "ieee"}  # no TF32 dots in fp32 vLLM
     assert engine_env("bfloat16", True, cuda=True) == {"VLLM_BATCH_INVARIANT": "1"}
@@ -19,7 +19,8 @@ def test_engine_env():
 
 
 def test_gpu_engines_inherit_their_environment_and_devices(monkeypatch, tmp_path):
-    from megatron_grpo import rollout, setup
+    from megatron_grpo import rollout
+    from megatron_grpo.trainer import build as setup
 
     seen = []
 
@@ -58,8 +59,8 @@ def test_engine_environment_does_not_leak_out_of_the_gpu_test():
 
 
 def test_trainer_releases_its_cached_memory_before_engines_wake(monkeypatch):
-    from megatron_grpo.rollout.weight_sync import PushReport
-    from megatron_grpo.train import GRPOTrainer
+    from megatron_grpo.rollout.transfer.weight_sync import PushReport
+    from megatron_grpo.trainer.loop import GRPOTrainer
 
     calls = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -79,7 +80,7 @@ def _wake_on_two_ranks():
 
     import torch.distributed as dist
 
-    from megatron_grpo import train
+    from megatron_grpo.trainer import loop as train
     from megatron_grpo.parallel import state
 
     state.init_distributed()
@@ -113,7 +114,7 @@ def test_colocated_engines_wake_after_every_rank_released_its_cache():
 ])
 def test_weight_checksums_run_on_the_first_probe_and_every_nth(every, probe_every, due):
     """vLLM hashes every parameter on its host for /weight_checker: not on every probe of a large model."""
-    from megatron_grpo.train import GRPOTrainer
+    from megatron_grpo.trainer.loop import GRPOTrainer
 
     cfg = from_dict(Config, {"generation": {"weight_checksum_every": every, "parity_probe_every": probe_every}})
     trainer = types.SimpleNamespace(cfg=cfg, parity_baseline=None, version=1)

@@ -13,11 +13,11 @@ def _rank_main(log_dir, max_steps, signal_rank, signal_step):
     import torch
     import torch.distributed as dist
 
-    from megatron_grpo.config import Config, to_dict
-    from megatron_grpo.doctor import LiveDoctor
-    from megatron_grpo.metrics_logger import MetricsLogger
+    from megatron_grpo.config.schema import Config, to_dict
+    from megatron_grpo.observe.doctor import LiveDoctor
+    from megatron_grpo.observe.metrics_logger import MetricsLogger
     from megatron_grpo.parallel import state
-    from megatron_grpo.train import GRPOTrainer
+    from megatron_grpo.trainer.loop import GRPOTrainer
 
     state.init_distributed()
     rank = dist.get_rank()
@@ -83,8 +83,8 @@ def test_generator_process_leaves_the_trainers_process_group():
 
 
 def test_server_log_lives_in_the_run_log_dir(tmp_path, monkeypatch):
-    from megatron_grpo import setup
-    from megatron_grpo.recipe import load_recipe
+    from megatron_grpo.trainer import build as setup
+    from megatron_grpo.config.recipe import load_recipe
     from megatron_grpo.rollout import ROLLOUT_ENGINES
     from tests.test_train import RECIPE
 

@@ -39,9 +39,9 @@ def test_step_metrics_live_on_the_model_device():
     """Every tensor the step's metric path builds is made on the given device (``meta`` here, a
     second device type); ``to_host``'s stack names any stray tensor on another device."""
     from megatron_grpo.loss import StatSet, finalize
-    from megatron_grpo.metrics_logger import stack_metrics
+    from megatron_grpo.observe.metrics_logger import stack_metrics
     from megatron_grpo.rollout import Rollout, Rollouts
-    from megatron_grpo.step import rollout_metrics
+    from megatron_grpo.trainer.step import rollout_metrics
 
     meta = torch.device("meta")
     stats = StatSet()
@@ -60,7 +60,7 @@ def test_step_metrics_live_on_the_model_device():
 def test_batch_checks_run_on_the_whole_batch(tiny_dense):
     """Checks every rank must agree on run before the schedule, on the batch all ranks hold."""
     from megatron_grpo.rollout import Rollout, Rollouts
-    from megatron_grpo.step import build_step_batch
+    from megatron_grpo.trainer.step import build_step_batch
 
     def rollouts(completion, logprobs):
         return Rollouts([Rollout(i // 2, [5, 6], list(completion), list(logprobs), "stop", 0) for i in range(4)])
@@ -149,10 +149,10 @@ def test_parity_probe_is_sampled_text_scored_at_temperature_one(tiny_dense, mega
     scores it at T = 1 like the generator's ``score`` whatever the generation temperature."""
     from types import SimpleNamespace
 
-    from megatron_grpo.forward import completion_scores, pack
+    from megatron_grpo.trainer.forward import completion_scores, pack
     from megatron_grpo.rollout import Rollout, Rollouts
     from megatron_grpo.rollout.parity import ProbeBatch
-    from megatron_grpo.setup import TrainContext
+    from megatron_grpo.trainer.build import TrainContext
 
     class Engine:
         def generate(self, prompts, n, sampling):

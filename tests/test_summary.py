@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from megatron_grpo.config import Config, to_dict
-from megatron_grpo.summary import format_summary, summarize, write_summary
+from megatron_grpo.config.schema import Config, to_dict
+from megatron_grpo.observe.summary import format_summary, summarize, write_summary
 from tests.test_doctor import precision_config, step_row, write_run
 
 
@@ -62,9 +62,9 @@ class StubTrainer:
 
     @staticmethod
     def make(tmp_path, max_steps, signal_at=None, fail_at=None):
-        from megatron_grpo.doctor import LiveDoctor
-        from megatron_grpo.metrics_logger import MetricsLogger
-        from megatron_grpo.train import GRPOTrainer
+        from megatron_grpo.observe.doctor import LiveDoctor
+        from megatron_grpo.observe.metrics_logger import MetricsLogger
+        from megatron_grpo.trainer.loop import GRPOTrainer
 
         class Trainer(GRPOTrainer):
             def __init__(self):
@@ -125,8 +125,8 @@ def test_summary_after_an_error_does_not_hide_it(tmp_path, capsys, restore_signa
 
 
 def test_written_config_round_trips_as_a_recipe(tmp_path):
-    from megatron_grpo.recipe import load_recipe
-    from megatron_grpo.setup import write_config
+    from megatron_grpo.config.recipe import load_recipe
+    from megatron_grpo.trainer.build import write_config
 
     cfg = load_recipe(os.path.join(os.path.dirname(os.path.dirname(__file__)), "recipes", "grpo-tiny-eos-cpu.yaml"),
                       ["policy.precision.generation_dtype=bfloat16", f"logger.log_dir={tmp_path}"])

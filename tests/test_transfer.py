@@ -10,8 +10,8 @@ from collections import namedtuple
 import pytest
 import torch
 
-from megatron_grpo.rollout import fanout
-from megatron_grpo.rollout.transfer import resolve_transport
+from megatron_grpo.rollout.transfer import fanout
+from megatron_grpo.rollout.transfer.transport import resolve_transport
 
 
 def _port() -> int:
@@ -31,7 +31,7 @@ def _run_group(num_senders, sender_fn, num_receivers=1):
     """Senders 0..S-1 and receivers S.. of one gloo transfer group, as threads; returns each receiver's
     (loaded tensors, error) and each sender's error."""
     pytest.importorskip("vllm")
-    from megatron_grpo.rollout import gloo_transfer as gt
+    from megatron_grpo.rollout.transfer import gloo_transfer as gt
 
     endpoint = gt.TransferEndpoint("127.0.0.1", _port(), num_senders, num_receivers, timeout_s=60)
     out = {}
@@ -98,8 +98,8 @@ def test_gloo_trainer_engine_through_vllms_factory_drives_the_client_in_order():
     pytest.importorskip("vllm")
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
 
-    from megatron_grpo.rollout import gloo_transfer as gt
-    from megatron_grpo.rollout.gloo_engine import GlooTrainerInitInfo
+    from megatron_grpo.rollout.transfer import gloo_transfer as gt
+    from megatron_grpo.rollout.transfer.gloo_engine import GlooTrainerInitInfo
 
     gt.register()
     gt.register()  # idempotent: vLLM may load plugins more than once
@@ -144,7 +144,7 @@ def test_gloo_trainer_engine_through_vllms_factory_drives_the_client_in_order():
 
 
 def test_transport_selection_and_config_validation():
-    from megatron_grpo.config import GenerationConfig
+    from megatron_grpo.config.schema import GenerationConfig
 
     assert resolve_transport("auto", "vllm", colocated=True, cuda=False) == "file"
     assert resolve_transport("auto", "vllm_server", colocated=False, cuda=False) == "gloo"
@@ -184,7 +184,7 @@ class _RecordingServer:
 
 
 def _server_engine(monkeypatch, backend, recorder):
-    from megatron_grpo.rollout.vllm_server import VLLMServerEngine
+    from megatron_grpo.rollout.engines.vllm_server import VLLMServerEngine
 
     monkeypatch.setattr(VLLMServerEngine, "_wait_healthy", lambda self, timeout_s: None)
     monkeypatch.setattr(VLLMServerEngine, "_post", lambda self, path, body, retry=True: recorder(path, body))
@@ -256,7 +256,7 @@ def test_ipc_goes_through_vllms_trainer_factory_packed_one_round_after_the_first
     pytest.importorskip("vllm")
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
-    from megatron_grpo.rollout.vllm_server import VLLMServerEngine
+    from megatron_grpo.rollout.engines.vllm_server import VLLMServerEngine
 
     made = []
 
@@ -303,7 +303,7 @@ def test_ipc_goes_through_vllms_trainer_factory_packed_one_round_after_the_first
 
 def test_checksums_compare_the_tensors_vllm_keeps_and_name_the_engine_and_tensor():
     from megatron_grpo.rollout.parity import ParityError, check_weights
-    from megatron_grpo.rollout.transfer import EMPTY_DIGEST, compare_checksums, trainer_digests
+    from megatron_grpo.rollout.transfer.transport import EMPTY_DIGEST, compare_checksums, trainer_digests
 
     norm, emb = torch.randn(8), torch.randn(4, 8)
     ours = trainer_digests([("model.norm.weight", norm), ("model.embed_tokens.weight", emb),
@@ -359,7 +359,7 @@ def test_bucket_files_fall_back_to_disk_when_dev_shm_is_full(tmp_path, monkeypat
     monkeypatch.setattr(fanout.tempfile, "gettempdir", lambda: str(disk))
     bucket = [("w", torch.ones(1000))]  # 4000 bytes: does not fit 1000 bytes of "shm"
     out = fanout.SharedFileFanout(2, folder=str(shm))
-    with caplog.at_level("WARNING", logger="megatron_grpo.rollout.fanout"):
+    with caplog.at_level("WARNING", logger="megatron_grpo.rollout.transfer.fanout"):
         paths = out.publish(bucket) + out.publish(bucket)
     assert all(p.startswith(str(disk)) for p in paths) and os.listdir(shm) == []
     assert sum("has 0.0 MiB free" in r.getMessage() for r in caplog.records) == 1

@@ -48,7 +48,7 @@ def push_twice(model, shape, dtype=torch.bfloat16):
     this rank called through ``torch.distributed`` (name, dtype of the tensor it sent)."""
     import torch.distributed as dist
 
-    from megatron_grpo.rollout.weight_sync import hf_tensors_on_rank0
+    from megatron_grpo.rollout.transfer.weight_sync import hf_tensors_on_rank0
 
     calls, originals = [], {n: getattr(dist, n) for n in COLLECTIVES}
 

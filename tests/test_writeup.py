@@ -17,7 +17,7 @@ import writeup  # noqa: E402
 
 def test_every_grid_run_is_a_valid_config_with_its_lr_and_variant():
     import sweep
-    from megatron_grpo.recipe import load_recipe
+    from megatron_grpo.config.recipe import load_recipe
 
     grid = sweep.GRIDS["writeup-pretrained"]
     assert len(grid) == len(writeup.LRS) * (len(writeup.VARIANTS) + len(writeup.FAMILIES))
@@ -133,7 +133,7 @@ import writeup_regime as regime  # noqa: E402
 
 def test_regime_grid_is_valid_megatron_synchronous_configs_and_matches_the_preregistration():
     import sweep
-    from megatron_grpo.recipe import load_recipe
+    from megatron_grpo.config.recipe import load_recipe
 
     grid, prereg = sweep.GRIDS["writeup-regime"], open(os.path.join(ROOT, regime.PREREG)).read()
     assert set(grid) == {r for runs, _, _ in regime.STAGES.values() for r in runs}

@@ -22,7 +22,7 @@ def _rss_mib() -> float:
 def _child(variant: str, tokens: int, vocab: int, dtype_name: str, backward: bool) -> dict:
     import torch
 
-    from megatron_grpo.logprobs import token_log_probs
+    from megatron_grpo.parallel.logprobs import token_log_probs
 
     torch.manual_seed(0)
     dtype = getattr(torch, dtype_name)

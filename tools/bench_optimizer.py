@@ -39,7 +39,7 @@ def _batch(vocab: int, rows: int, seq: int, dp_rank: int, dp_size: int):
     import torch
 
     from megatron_grpo.rollout import Rollout, Rollouts
-    from megatron_grpo.step import build_step_batch
+    from megatron_grpo.trainer.step import build_step_batch
 
     gen = torch.Generator().manual_seed(0)
     prompt = seq // 4
@@ -60,10 +60,10 @@ def bench_mode(model_dir: str, mode: str, args) -> dict:
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    from megatron_grpo.config import Config, from_dict
+    from megatron_grpo.config.schema import Config, from_dict
     from megatron_grpo.models import build_from_hf, unwrap
-    from megatron_grpo.optim import Optimizer, wrap_model
-    from megatron_grpo.step import TrainStep
+    from megatron_grpo.trainer.optim import Optimizer, wrap_model
+    from megatron_grpo.trainer.step import TrainStep
 
     dtype = args.params_dtype
     cfg = from_dict(Config, {"policy": {"model_name": model_dir, "train_micro_batch_size": args.rows,

@@ -24,7 +24,7 @@ import torch
 
 def start_pool(model_dir, num_engines, dtype):
     from megatron_grpo.rollout.pool import EnginePool, available_cpus, cpu_bindings
-    from megatron_grpo.rollout.vllm_engine import VLLMEngine
+    from megatron_grpo.rollout.engines.vllm_engine import VLLMEngine
 
     binds = cpu_bindings(num_engines, 1, available_cpus())
     return EnginePool(lambda i: VLLMEngine(model_dir, dtype, max_model_len=256, cpu_bind=binds[i]), num_engines)
@@ -34,7 +34,7 @@ def bench_engines(model_dir, prompts, n, max_tokens, dtype, num_engines, buckets
     """Tokens/s, median push seconds and start seconds of a pool of ``num_engines``; with 2 engines
     also of engine 0 alone (same pinned cores: the like-for-like reference of the pair)."""
     from megatron_grpo.rollout import Sampling
-    from megatron_grpo.rollout.fanout import fan_out
+    from megatron_grpo.rollout.transfer.fanout import fan_out
 
     started = time.perf_counter()
     pool = start_pool(model_dir, num_engines, dtype)
@@ -86,7 +86,7 @@ def weight_buckets(model_dir, dtype, bucket_mb):
     about ``bucket_mb`` that close only between layers (as ``weight_sync.hf_buckets`` does)."""
     from safetensors.torch import load_file
 
-    from megatron_grpo.rollout.weight_sync import _layer_of
+    from megatron_grpo.rollout.transfer.weight_sync import _layer_of
 
     buckets, bucket, size, group = [], [], 0, None
     for name, tensor in load_file(os.path.join(model_dir, "model.safetensors")).items():

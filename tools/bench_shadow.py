@@ -19,7 +19,7 @@ import torch
 
 def _batch(shape, rows, prompt_len, completion_len, seed=0):
     from megatron_grpo.rollout import Rollout, Rollouts
-    from megatron_grpo.step import build_step_batch
+    from megatron_grpo.trainer.step import build_step_batch
 
     gen = torch.Generator().manual_seed(seed)
     items = []
@@ -34,10 +34,10 @@ def _batch(shape, rows, prompt_len, completion_len, seed=0):
 def time_step(model_dir, compute, shadow, batch, repeats) -> float:
     from megatron.core import parallel_state as ps
 
-    from megatron_grpo.config import Config, from_dict
+    from megatron_grpo.config.schema import Config, from_dict
     from megatron_grpo.models import build_from_hf
-    from megatron_grpo.optim import Optimizer, wrap_model
-    from megatron_grpo.step import TrainStep
+    from megatron_grpo.trainer.optim import Optimizer, wrap_model
+    from megatron_grpo.trainer.step import TrainStep
 
     cfg = from_dict(Config, {"policy": {"precision": {"compute_dtype": compute, "generation_dtype": shadow,
                                                       "shadow_dtype": shadow}},

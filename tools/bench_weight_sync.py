@@ -23,8 +23,8 @@ import torch
 def bench_transport(model, shape, model_dir, dtype, transport: str, bucket_mb: float, repeats: int):
     """(median seconds, bytes moved) per push into a fresh engine using ``transport`` (the first push,
     which opens the transfer, is not timed)."""
-    from megatron_grpo.rollout.vllm_engine import VLLMEngine
-    from megatron_grpo.rollout.weight_sync import push_weights
+    from megatron_grpo.rollout.engines.vllm_engine import VLLMEngine
+    from megatron_grpo.rollout.transfer.weight_sync import push_weights
 
     engine = VLLMEngine(model_dir, dtype, max_model_len=128, is_moe=shape.is_moe, weight_transfer=transport)
     try:

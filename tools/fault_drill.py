@@ -53,7 +53,7 @@ def _cmd(args, log_dir, nproc=1):
 
 
 def read_rows(log_dir):
-    from megatron_grpo.metrics_logger import read_metrics_rows
+    from megatron_grpo.observe.metrics_logger import read_metrics_rows
 
     path = os.path.join(log_dir, "metrics.jsonl")
     return read_metrics_rows(path) if os.path.isfile(path) else []
@@ -168,7 +168,7 @@ def drill_torn_metrics(out, model, reference):
 
 
 def drill_broken_metadata(out, model, reference):
-    from megatron_grpo import checkpoint as ckpt
+    from megatron_grpo.checkpoint import folders as ckpt
 
     log_dir, ck, base = _base(out, "broken-manifest", model)
     run(base, log_dir, {"MEGATRON_GRPO_FAULT_KILL_AFTER_STEP": "3"})

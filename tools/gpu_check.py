@@ -206,7 +206,7 @@ def train_run(ctx: Context, name: str, recipe: str, model_dir: str, size: Dict, 
 
 def summarize_run(metrics_path: str, steps: int) -> Dict:
     """Per-step series of METRICS plus means; the step time mean leaves out step 1 (warm-up)."""
-    from megatron_grpo.metrics_logger import read_metrics_rows
+    from megatron_grpo.observe.metrics_logger import read_metrics_rows
 
     rows = read_metrics_rows(metrics_path) if os.path.isfile(metrics_path) else []
     out: Dict = {"steps_logged": len(rows), "steps_planned": steps}

@@ -1,6 +1,6 @@
 """The write-up's figures as PNG from one or more runs' ``metrics.jsonl`` (same as ``megatron-grpo plot``).
 
-The figures live in ``megatron_grpo.plots``; this script is kept for existing commands.
+The figures live in ``megatron_grpo.observe.plots``; this script is kept for existing commands.
 
     python tools/plot_metrics.py runs/sweep-tiny/*/seed0 --out runs/sweep-tiny/figures
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 
-from megatron_grpo.plots import (LINE_FIGURES, MOE_FIGURES, clip_figure, line_figure, load_runs,  # noqa: F401
+from megatron_grpo.observe.plots import (LINE_FIGURES, MOE_FIGURES, clip_figure, line_figure, load_runs,  # noqa: F401
                                  make_figures, rarity_figure, ratio_scatter, routing_beta_figure, timing_figure)
 
 

@@ -214,7 +214,7 @@ def lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:
 
 def token_lp(model, rows: torch.Tensor) -> torch.Tensor:
     """``[B, S]`` fp32 log-probs of ``rows[:, 1:]`` given ``rows[:, :-1]``."""
-    from megatron_grpo.logprobs import token_log_probs
+    from megatron_grpo.parallel.logprobs import token_log_probs
     from megatron_grpo.models import forward_logits
 
     return token_log_probs(forward_logits(model, rows[:, :-1]), rows[:, 1:])

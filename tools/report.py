@@ -1,6 +1,6 @@
 """One Markdown (optionally HTML) report for a sweep folder (same as ``megatron-grpo report``).
 
-The report lives in ``megatron_grpo.plots``; this script is kept for existing commands.
+The report lives in ``megatron_grpo.observe.plots``; this script is kept for existing commands.
 
     python tools/report.py runs/sweep-tiny [--seed 0] [--html]
     python tools/report.py runs/writeup-pretrained --writeup docs/results/writeup-reproduction.md
@@ -13,7 +13,7 @@ import argparse
 import json
 import os
 
-from megatron_grpo.plots import SECTIONS, build_report  # noqa: F401
+from megatron_grpo.observe.plots import SECTIONS, build_report  # noqa: F401
 
 
 def main(argv=None) -> None:

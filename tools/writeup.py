@@ -28,7 +28,7 @@ import subprocess
 import sys
 from typing import Dict, List, Optional, Sequence
 
-from megatron_grpo.metrics_logger import read_metrics_rows
+from megatron_grpo.observe.metrics_logger import read_metrics_rows
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPE = "recipes/grpo-pretrained-eos-cpu.yaml"
@@ -355,7 +355,7 @@ def _mean_curve(stats: List[Dict], key: str):
 
 def figures(data: Dict[str, List[Dict]], names: Sequence[str], lr: float, fig_dir: str) -> List[str]:
     """Mean-over-seeds curves of the table's runs + the lr scan; returns the PNG file names."""
-    from megatron_grpo.plots import _pyplot
+    from megatron_grpo.observe.plots import _pyplot
 
     plt, made = _pyplot(), []
     os.makedirs(fig_dir, exist_ok=True)

@@ -120,7 +120,7 @@ def check_weights(engine, version: int) -> int:
     """Each engine that can say (``weight_version``, ``weight_checksums``) holds ``version`` and the
     pushed bytes: ``ParityError`` naming the engine and the first differing tensor. Returns the
     number of tensors compared (0 for engines without checksums, e.g. the file transport)."""
-    from megatron_grpo.rollout.transfer import compare_checksums
+    from megatron_grpo.rollout.transfer.transport import compare_checksums
 
     engines = getattr(engine, "engines", None)
     named = [(engine.name(i), e) for i, e in enumerate(engines)] if engines is not None else [("the generator", engine)]

@@ -262,7 +262,7 @@ class EnginePool(RolloutEngine):
 
     def _run(self, i: int, fn: Callable[[RolloutEngine], object]):
         """``fn(engine i)``; a failure is remembered (for ``restart_failed``) and re-raised naming the engine."""
-        from megatron_grpo.rollout.vllm_engine import GeneratorError
+        from megatron_grpo.rollout.engines.vllm_engine import GeneratorError
 
         try:
             return fn(self.engines[i])
@@ -306,7 +306,7 @@ class EnginePool(RolloutEngine):
 
     def collect(self, handle) -> Rollouts:
         """Each shard's rollouts, in prompt order, prompt indices global; each carries its engine's version."""
-        from megatron_grpo.rollout.vllm_engine import GeneratorError
+        from megatron_grpo.rollout.engines.vllm_engine import GeneratorError
 
         items = []
         for i, start, engine, sub in handle:
@@ -340,7 +340,7 @@ class EnginePool(RolloutEngine):
     def update_weights(self, buckets, version: int) -> List[str]:
         """One fan-out push to the engines behind ``version`` (all of them when none is), each
         bucket read concurrently by every target engine. Consumes ``buckets`` whatever happens."""
-        from megatron_grpo.rollout.fanout import fan_out, fan_out_streams
+        from megatron_grpo.rollout.transfer.fanout import fan_out, fan_out_streams
 
         targets = self.push_targets(version)
         if len(targets) < len(self.engines):

@@ -17,8 +17,8 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from megatron_grpo.loss.config import LossConfig
-from megatron_grpo.generation_config import GenerationConfig
-from megatron_grpo.optim_config import DDPConfig, OptimizerConfig, SchedulerConfig
+from megatron_grpo.config.generation import GenerationConfig
+from megatron_grpo.config.optim import DDPConfig, OptimizerConfig, SchedulerConfig
 
 logger = logging.getLogger(__name__)
 
@@ -312,7 +312,7 @@ class CheckpointingConfig:
 
 @dataclass
 class ClusterConfig:
-    """The devices a run is planned for (the memory plan of ``--dry-run``, ``megatron_grpo/plan.py``)."""
+    """The devices a run is planned for (the memory plan of ``--dry-run``, ``megatron_grpo/trainer/plan.py``)."""
 
     gpu_memory_gib: Optional[float] = None
     """Memory of one device in GiB (e.g. 80 for H100 / A100 80GB); the run stops before building anything

@@ -21,7 +21,7 @@ import math
 import os
 from typing import Dict, List
 
-from megatron_grpo.metrics_logger import read_metrics_rows
+from megatron_grpo.observe.metrics_logger import read_metrics_rows
 
 _PLT = None
 

@@ -32,8 +32,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from megatron_grpo import checkpoint as ckpt
-from megatron_grpo import sharded_state
+from megatron_grpo.checkpoint import folders as ckpt
+from megatron_grpo.checkpoint import sharded_state
 from megatron_grpo.parallel import comm
 
 logger = logging.getLogger(__name__)
@@ -276,7 +276,7 @@ def _root_cause(exc: BaseException) -> BaseException:
 def export_last(trainer) -> None:
     """Collective: rank 0 exports the latest checkpoint to ``checkpointing.export_hf`` (a Hugging
     Face model folder); an error is raised on every rank."""
-    from megatron_grpo.export import export_hf
+    from megatron_grpo.checkpoint.export import export_hf
 
     cfg, result = trainer.cfg.checkpointing, None
     if trainer.ctx.rank == 0:

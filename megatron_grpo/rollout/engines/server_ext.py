@@ -29,7 +29,7 @@ class WeightLoaderExtension:
         from safetensors.torch import load_file
         from vllm.config import set_current_vllm_config
 
-        from megatron_grpo.rollout.vllm_worker import _repack_moe
+        from megatron_grpo.rollout.engines.vllm_worker import _repack_moe
 
         tensors = load_file(path)  # memory-mapped views (measured: 384 MB in 5 ms), copied once into the params
         if getattr(self, "megatron_grpo_push_open", False):
@@ -67,6 +67,6 @@ class WeightLoaderExtension:
 
     def megatron_grpo_repack_moe(self) -> None:
         """Once after a push of several buckets loaded with ``is_moe="0"`` (see ``_repack_moe``)."""
-        from megatron_grpo.rollout.vllm_worker import _repack_moe
+        from megatron_grpo.rollout.engines.vllm_worker import _repack_moe
 
         _repack_moe(self)

@@ -40,7 +40,7 @@ from typing import Iterable, List, Optional, Tuple
 import torch
 
 BACKEND = "gloo"
-ENGINES_MODULE = "megatron_grpo.rollout.gloo_engine"
+ENGINES_MODULE = "megatron_grpo.rollout.transfer.gloo_engine"
 """vLLM's engine classes for gloo (imported by vLLM's factory when the backend is chosen)."""
 BUCKET, END, ABORT = 1, 0, 2
 _TAG = 7  # every message of the transfer group uses this tag (order is per sender-receiver pair)

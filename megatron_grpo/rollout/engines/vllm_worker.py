@@ -60,7 +60,7 @@ def serve(options: dict, requests, responses) -> None:
         _bind_cores(options["cpu_bind"], int(options.get("tensor_parallel_size", 1)))
     if options.get("devices"):  # GPU placement (the pool's); ignored without CUDA
         os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in options["devices"])
-    from megatron_grpo import quiet
+    from megatron_grpo.observe import quiet
 
     quiet.install(verbose=quiet.is_verbose())
     try:
@@ -120,14 +120,14 @@ def _id_range(part: str):
 def _build(options: dict):
     from vllm import LLM
 
-    from megatron_grpo.quiet import is_verbose
+    from megatron_grpo.observe.quiet import is_verbose
 
     extra = {"enable_prefix_caching": True, "use_tqdm_on_load": is_verbose()}
     tp = int(options.get("tensor_parallel_size", 1))
     if options.get("sleep_mode"):
         extra["enable_sleep_mode"] = True
     if options.get("weight_transfer", "file") != "file":  # vLLM's weight-transfer API (``transfer.py``)
-        from megatron_grpo.rollout.gloo_transfer import register
+        from megatron_grpo.rollout.transfer.gloo_transfer import register
 
         register()  # what the entry point does; also works from a source checkout that is not pip-installed
         extra["weight_transfer_config"] = {"backend": options["weight_transfer"]}
@@ -139,7 +139,7 @@ def _build(options: dict):
     return LLM(
         model=options["model"], dtype=options["dtype"], enforce_eager=True, tensor_parallel_size=tp,
         distributed_executor_backend="uni" if tp == 1 else "mp",
-        worker_extension_cls="megatron_grpo.rollout.server_ext.WeightLoaderExtension",
+        worker_extension_cls="megatron_grpo.rollout.engines.server_ext.WeightLoaderExtension",
         skip_tokenizer_init=True, logprobs_mode="processed_logprobs", seed=options.get("seed", 0),
         max_model_len=options["max_model_len"], gpu_memory_utilization=options.get("gpu_memory_utilization", 0.5),
         **extra,

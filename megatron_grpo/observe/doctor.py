@@ -14,7 +14,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence
 
-from megatron_grpo.metrics_logger import read_metrics_rows
+from megatron_grpo.observe.metrics_logger import read_metrics_rows
 
 PHANTOM_ZERO_GRAD = 0.01
 """Phantom clipping is a problem when it zeroes more than 1% of token gradients (mean over steps)."""

@@ -16,9 +16,9 @@ from typing import Dict, Optional, Sequence
 
 import torch
 
-from megatron_grpo.config import Config, to_dtype, to_dict
+from megatron_grpo.config.schema import Config, to_dtype, to_dict
 from megatron_grpo.parallel.state import Layout
-from megatron_grpo.plan import check_fits, format_plan, memory_plan
+from megatron_grpo.trainer.plan import check_fits, format_plan, memory_plan
 
 logger = logging.getLogger(__name__)
 
@@ -48,8 +48,8 @@ class GRPOTrainer:
     """Owns the model, optimizer, generator and logger of one run."""
 
     def __init__(self, cfg: Config):
-        from megatron_grpo import setup
-        from megatron_grpo.doctor import LiveDoctor
+        from megatron_grpo.trainer import build as setup
+        from megatron_grpo.observe.doctor import LiveDoctor
         from megatron_grpo.rollout.staleness import StalenessGate
 
         self._started = time.perf_counter()
@@ -71,7 +71,7 @@ class GRPOTrainer:
 
     def maybe_resume(self) -> bool:
         """With ``checkpointing.resume``, restores the latest checkpoint and re-pushes its weights."""
-        from megatron_grpo.resume import find_resume_dir, load_checkpoint
+        from megatron_grpo.checkpoint.resume import find_resume_dir, load_checkpoint
 
         if not self.cfg.checkpointing.resume:
             return False
@@ -123,7 +123,7 @@ class GRPOTrainer:
     def finish(self, stopped: Optional[str]) -> None:
         """Rank 0: the end-of-run summary from metrics.jsonl, printed and written to summary.json.
         Never raises (a failure here must not hide the run's own error)."""
-        from megatron_grpo.summary import format_summary, write_summary
+        from megatron_grpo.observe.summary import format_summary, write_summary
 
         if self.ctx.rank != 0:
             return
@@ -141,14 +141,14 @@ class GRPOTrainer:
         return bool(self.cfg.checkpointing.checkpoint_dir) and period > 0 and self.step % period == 0
 
     def save(self) -> str:
-        from megatron_grpo.resume import save_checkpoint
+        from megatron_grpo.checkpoint.resume import save_checkpoint
 
         return save_checkpoint(self)
 
     def finish_checkpoints(self, export: bool) -> None:
         """Waits for an asynchronous checkpoint to be finalized; then, on a finished run with
         ``checkpointing.export_hf``, exports the last checkpoint as a Hugging Face model."""
-        from megatron_grpo.resume import export_last, finish_pending_save
+        from megatron_grpo.checkpoint.resume import export_last, finish_pending_save
 
         finish_pending_save()
         if export and self.cfg.checkpointing.export_hf:
@@ -186,8 +186,8 @@ class GRPOTrainer:
 
     def train_step(self) -> Dict[str, float]:
         from megatron_grpo.loss import ADVANTAGE_ESTIMATORS, finalize
-        from megatron_grpo.metrics_logger import to_host
-        from megatron_grpo.step import build_step_batch, rollout_metrics
+        from megatron_grpo.observe.metrics_logger import to_host
+        from megatron_grpo.trainer.step import build_step_batch, rollout_metrics
 
         started = time.perf_counter()
         rollouts = self.next_rollouts()
@@ -244,7 +244,7 @@ class GRPOTrainer:
         """
         from megatron_grpo.parallel import comm
 
-        from megatron_grpo.rollout.vllm_engine import GeneratorError
+        from megatron_grpo.rollout.engines.vllm_engine import GeneratorError
 
         for attempt in range(self.cfg.generation.max_restarts + 1):
             result = None
@@ -314,7 +314,7 @@ class GRPOTrainer:
     def score(self, rollouts) -> torch.Tensor:
         """Rewards scored once on rank 0 and broadcast (every rank gets the same values or error)."""
         from megatron_grpo.parallel import comm
-        from megatron_grpo.rewards import agreed_timeout_s, score_once
+        from megatron_grpo.trainer.rewards import agreed_timeout_s, score_once
 
         timeout_s = agreed_timeout_s(self.cfg.reward.timeout_s, self.cfg.cluster.distributed_timeout_minutes,
                                      comm.group_size(comm.world_group()))
@@ -330,7 +330,7 @@ class GRPOTrainer:
         the push's gathers are collective), at most ``generation.max_restarts`` times."""
         from megatron_grpo import faults
         from megatron_grpo.parallel import comm
-        from megatron_grpo.rollout.vllm_engine import GeneratorError
+        from megatron_grpo.rollout.engines.vllm_engine import GeneratorError
 
         started = time.perf_counter()
         wake_engines(self.ctx.engine, self.cfg.generation.colocated)
@@ -357,7 +357,7 @@ class GRPOTrainer:
     def _push_once(self):
         """One push of the current weights (collective: every rank gathers). An engine that shares
         the trainer's weights (``megatron``, on every rank) only records the version: nothing moves."""
-        from megatron_grpo.rollout.weight_sync import PushReport, push_weights
+        from megatron_grpo.rollout.transfer.weight_sync import PushReport, push_weights
 
         if getattr(self.ctx.engine, "shares_trainer_weights", False):
             self.ctx.engine.update_weights((), self.version)
@@ -368,7 +368,7 @@ class GRPOTrainer:
 
     def _recover_generator(self, attempt: int, during: str, error: str, push: bool = True) -> None:
         """After a generator crash (every rank agrees): restart it, or stop after too many tries."""
-        from megatron_grpo.rollout.vllm_engine import GeneratorError
+        from megatron_grpo.rollout.engines.vllm_engine import GeneratorError
 
         if attempt >= self.cfg.generation.max_restarts:
             raise GeneratorError(f"generator failed {attempt + 1} times during {during} at step {self.step + 1}; "
@@ -403,7 +403,7 @@ class GRPOTrainer:
         from megatron_grpo import faults
         from megatron_grpo.parallel import comm
         from megatron_grpo.rollout.parity import DEFAULT_MAX_TOLERANCE, DEFAULT_TOLERANCE, ParityError, check_parity
-        from megatron_grpo.rollout.vllm_engine import GeneratorError
+        from megatron_grpo.rollout.engines.vllm_engine import GeneratorError
 
         g = self.cfg.generation
         gen_dtype = to_dtype(self.cfg.policy.precision.generation_dtype)
@@ -489,7 +489,7 @@ def describe_layout(cfg: Config, world_size: int) -> Dict:
     from megatron_grpo.rollout.pool import check_engine_shape, engine_placement, format_placement
 
     if shape is not None:
-        from megatron_grpo.setup import check_moe_options
+        from megatron_grpo.trainer.build import check_moe_options
 
         check_moe_options(cfg, shape)
         check_engine_shape(cfg.generation, shape)
@@ -531,7 +531,7 @@ def _print_dry_run(described: Dict, as_json: bool) -> None:
 def main(recipe: str, overrides: Sequence[str], dry_run: bool = False, world_size: Optional[int] = None,
          as_json: bool = False) -> int:
     """CLI entry: load + validate the recipe (and its memory plan), then train (or print the dry run)."""
-    from megatron_grpo.recipe import load_recipe
+    from megatron_grpo.config.recipe import load_recipe
 
     world_size = world_size or int(os.environ.get("WORLD_SIZE", "1"))
     try:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from typing import List, Sequence
 
-from megatron_grpo.config import Config, check_keys, from_dict
+from megatron_grpo.config.schema import Config, check_keys, from_dict
 
 
 def _load_tree(path: str, seen: List[str]):

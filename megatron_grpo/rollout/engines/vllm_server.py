@@ -34,7 +34,7 @@ from typing import Iterable, List, Optional, Sequence, Tuple
 import torch
 
 from megatron_grpo.rollout.types import Rollout, RolloutEngine, Rollouts, Sampling
-from megatron_grpo.rollout.vllm_engine import DTYPE_NAMES, GeneratorError
+from megatron_grpo.rollout.engines.vllm_engine import DTYPE_NAMES, GeneratorError
 
 logger = logging.getLogger(__name__)
 
@@ -101,7 +101,7 @@ class VLLMServerEngine(RolloutEngine):
         process is sender 0; one per pipeline stage); ``launch_prefix``: a command the launched
         server runs under (e.g. ``ip netns exec``, ``unshare ...``: its own network / mount namespace);
         ``launch_host``: the address the launched server listens on (that namespace's)."""
-        from megatron_grpo.rollout.transfer import VLLMTransfer, default_address
+        from megatron_grpo.rollout.transfer.transport import VLLMTransfer, default_address
 
         self.dtype, self.model_dir, self.is_moe = dtype, model_dir, is_moe
         self.weight_transfer, self.pushed_digests = weight_transfer, {}
@@ -130,7 +130,7 @@ class VLLMServerEngine(RolloutEngine):
                "--max-model-len", str(max_model_len), "--logprobs-mode", "processed_logprobs", "--seed", str(seed),
                "--tensor-parallel-size", str(self.tensor_parallel_size), "--distributed-executor-backend",
                "uni" if self.tensor_parallel_size == 1 else "mp", "--gpu-memory-utilization", str(gpu_memory_utilization),
-               "--worker-extension-cls", "megatron_grpo.rollout.server_ext.WeightLoaderExtension"]
+               "--worker-extension-cls", "megatron_grpo.rollout.engines.server_ext.WeightLoaderExtension"]
         cmd += ["--enable-sleep-mode"] if self.sleep_mode else []
         if self._transfer is not None:  # the gloo engine comes from our vllm.general_plugins entry point
             cmd += ["--weight-transfer-config", json.dumps({"backend": self.weight_transfer})]
@@ -243,8 +243,8 @@ class VLLMServerEngine(RolloutEngine):
     def update_weights(self, buckets: Iterable[List[Tuple[str, torch.Tensor]]], version: int) -> List[str]:
         """``file``: each bucket a safetensors file (``fanout.fan_out``, one reader). Otherwise vLLM's
         weight-transfer round between ``/pause`` and ``/resume``."""
-        from megatron_grpo.rollout.fanout import UNKNOWN_VERSION, fan_out
-        from megatron_grpo.rollout.transfer import digesting
+        from megatron_grpo.rollout.transfer.fanout import UNKNOWN_VERSION, fan_out
+        from megatron_grpo.rollout.transfer.transport import digesting
 
         if self._transfer is None:
             return fan_out(buckets, [self], version)

@@ -13,7 +13,7 @@ from typing import List, Sequence
 
 import torch
 
-from megatron_grpo.logprobs import token_log_probs
+from megatron_grpo.parallel.logprobs import token_log_probs
 
 
 @dataclass

@@ -22,7 +22,7 @@ from typing import Dict, List
 
 import torch
 
-from megatron_grpo.config import Config, to_dtype
+from megatron_grpo.config.schema import Config, to_dtype
 from megatron_grpo.parallel.state import has_gloo_groups
 
 
@@ -138,7 +138,7 @@ class Optimizer:
     def step(self) -> Dict[str, torch.Tensor]:
         """Unscale + found-inf (fp16) -> global grad norm -> skip if non-finite, else clip and update
         (then the LR scheduler). Returns ``train/grad_norm``, ``train/lr`` and the skip flags."""
-        from megatron_grpo.forward import model_device
+        from megatron_grpo.trainer.forward import model_device
 
         device = model_device(self.model)
         scale_before = self.loss_scale()

@@ -17,8 +17,8 @@ from typing import Dict, Optional, Tuple
 import torch
 
 from megatron_grpo import faults
-from megatron_grpo.config import Config, to_dtype
-from megatron_grpo.forward import (PackedBatch, forward_log_probs, log_probs_from_logits, pack, pipeline_dtype,
+from megatron_grpo.config.schema import Config, to_dtype
+from megatron_grpo.trainer.forward import (PackedBatch, forward_log_probs, log_probs_from_logits, pack, pipeline_dtype,
                                    precision_context)
 from megatron_grpo.loss import StatSet, policy_loss_stats
 from megatron_grpo.loss.stats import masked_sum
@@ -121,7 +121,7 @@ class TrainStep:
 
         A step whose log-probs are non-finite on any rank is skipped (no update) and counted.
         """
-        from megatron_grpo.forward import model_device
+        from megatron_grpo.trainer.forward import model_device
 
         self.current_step, self.nonfinite = step, []
         device = model_device(self.model)

@@ -196,7 +196,7 @@ class MegatronEngine(RolloutEngine):
     def _forward(self, ids: torch.Tensor, start: int, context) -> torch.Tensor:
         """Logits ``[B, V]`` (all of the vocabulary, gathered over TP) of the last of ``ids`` ``[B, s]``
         at positions ``start ...``; advances the KV cache by s."""
-        from megatron_grpo.forward import model_device, precision_context
+        from megatron_grpo.trainer.forward import model_device, precision_context
 
         device = model_device(self.model)
         ids = ids.to(device)
@@ -208,7 +208,7 @@ class MegatronEngine(RolloutEngine):
 
     def _sample(self, logits: torch.Tensor, rows: List[_Row], temperature: float) -> torch.Tensor:
         """One token per row: argmax of softmax(logits / T) / Exp(1) noise from the row's generator."""
-        from megatron_grpo.logprobs import token_log_probs
+        from megatron_grpo.parallel.logprobs import token_log_probs
         from megatron_grpo.parallel import comm
 
         probs = torch.softmax(logits.float() / temperature, dim=-1)  # the temperature after the fp32 cast
@@ -225,7 +225,7 @@ class MegatronEngine(RolloutEngine):
     def _score_rows(self, seqs: List[List[int]], prompt_lens: List[int], temperature: float) -> List[List[float]]:
         """Log-probs of ``seqs[i][prompt_lens[i]:]``: this DP rank's rows of the whole batch, packed at
         the whole batch's width (as the trainer packs a step), by the trainer's forward; gathered."""
-        from megatron_grpo.forward import completion_scores, forward_log_probs, pack
+        from megatron_grpo.trainer.forward import completion_scores, forward_log_probs, pack
 
         if not seqs:
             return []

@@ -25,7 +25,7 @@ from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
-from megatron_grpo import checkpoint as ckpt
+from megatron_grpo.checkpoint import folders as ckpt
 
 logger = logging.getLogger(__name__)
 
@@ -187,7 +187,7 @@ def export_hf(checkpoint_dir: str, out_dir: str, dtype: Optional[str] = None, mo
     the HF folder whose config and tokenizer are copied (default: the one the run used);
     ``progress(name)`` is called after each parameter is converted and each unit written."""
     from megatron_grpo.models.qwen3 import load_hf_config, shape_from_hf
-    from megatron_grpo.resume import read_trainer_state
+    from megatron_grpo.checkpoint.resume import read_trainer_state
 
     path = resolve_checkpoint(checkpoint_dir)
     if dtype is not None and dtype not in DTYPES:

@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Dict, List, Optional, Tuple
 
-from megatron_grpo.config import DTYPES, Config
+from megatron_grpo.config.schema import DTYPES, Config
 from megatron_grpo.models.qwen3 import ModelShape, resolve_sequence_parallel
 
 GIB = 1024 ** 3
@@ -253,7 +253,7 @@ def _logit_terms(cfg: Config, shape: ModelShape) -> List[Term]:
     """Last stage: the logits ``[b*s, V/tp]`` and their gradient in the compute dtype, and the log-prob
     kernel's chunk buffers (logprobs.py: one fp32 chunk copy in forward; in backward the fp32 softmax
     chunk and its cast to the logits' dtype, no cast for fp32)."""
-    from megatron_grpo.logprobs import DEFAULT_CHUNK_SIZE
+    from megatron_grpo.parallel.logprobs import DEFAULT_CHUNK_SIZE
 
     m, p = cfg.policy.megatron_cfg, cfg.policy.precision
     vocab_local = shape.vocab_size / m.tensor_model_parallel_size

@@ -22,7 +22,7 @@ from vllm.distributed.weight_transfer.base import (TrainerInitInfo, TrainerWeigh
                                                    WeightTransferEngine, WeightTransferInitInfo,
                                                    WeightTransferUpdateInfo)
 
-from megatron_grpo.rollout.gloo_transfer import (BACKEND, Bucket, GlooSender, TransferEndpoint, open_group,
+from megatron_grpo.rollout.transfer.gloo_transfer import (BACKEND, Bucket, GlooSender, TransferEndpoint, open_group,
                                                  open_transfer, push_round, receive_all)
 
 
@@ -82,7 +82,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
     def finish_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
-        from megatron_grpo.rollout.vllm_worker import repack_moe
+        from megatron_grpo.rollout.engines.vllm_worker import repack_moe
 
         finalize_layerwise_reload(self.model, self.model_config)
         repack_moe(self.model)

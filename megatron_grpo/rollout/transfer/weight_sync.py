@@ -215,7 +215,7 @@ def push_weights(model, shape, engine, version: int, *, dtype: torch.dtype, buck
             engine.update_weights(buckets, version)
         except Exception as exc:  # noqa: BLE001 - the generator refused a name or shape, or died
             from megatron_grpo.rollout.parity import ParityError
-            from megatron_grpo.rollout.vllm_engine import GeneratorError
+            from megatron_grpo.rollout.engines.vllm_engine import GeneratorError
 
             for _ in buckets:  # finish the collective gathers every other rank is running
                 pass

@@ -56,14 +56,14 @@ class VLLMEngine(RolloutEngine):
         self.weight_transfer, self.pushed_digests, self._transfer = weight_transfer, {}, None
         self._start(start_timeout_s)
         if weight_transfer != "file":
-            from megatron_grpo.rollout.transfer import VLLMTransfer
+            from megatron_grpo.rollout.transfer.transport import VLLMTransfer
 
             self._transfer = VLLMTransfer(weight_transfer, OfflineWeightSyncClient(self),
                                           address=transfer_address or "127.0.0.1",
                                           num_workers=tensor_parallel_size, timeout_s=request_timeout_s)
 
     def _start(self, timeout_s: float) -> None:
-        from megatron_grpo.rollout import vllm_worker
+        from megatron_grpo.rollout.engines import vllm_worker
 
         ctx = mp.get_context("spawn")
         self._requests, self._responses = ctx.Queue(), ctx.Queue()
@@ -135,8 +135,8 @@ class VLLMEngine(RolloutEngine):
         """Streams ``buckets`` (lists of (HF name, tensor in the generator dtype)) into vLLM: ``file``,
         each bucket as one file (``fanout.fan_out``, here with a single reader); otherwise one round
         of vLLM's weight-transfer API (``LLM.start_weight_update`` / ``update_weights`` / ``finish``)."""
-        from megatron_grpo.rollout.fanout import UNKNOWN_VERSION, fan_out
-        from megatron_grpo.rollout.transfer import digesting
+        from megatron_grpo.rollout.transfer.fanout import UNKNOWN_VERSION, fan_out
+        from megatron_grpo.rollout.transfer.transport import digesting
 
         if self._transfer is None:
             return fan_out(buckets, [self], version)

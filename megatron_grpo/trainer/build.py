@@ -12,7 +12,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
-from megatron_grpo.config import Config, to_dtype
+from megatron_grpo.config.schema import Config, to_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -47,14 +47,14 @@ class TrainContext:
     @property
     def device(self) -> torch.device:
         """Where the model lives; every step tensor (metrics included) is made there."""
-        from megatron_grpo.forward import model_device
+        from megatron_grpo.trainer.forward import model_device
 
         return model_device(self.model)
 
     def trainer_scores(self, dtype: torch.dtype):
         """A function scoring a ``ProbeBatch`` with the trainer's no-grad forward in ``dtype`` at
         temperature 1, as the generator scores prompts (``RolloutEngine.score``)."""
-        from megatron_grpo.forward import completion_scores, pack
+        from megatron_grpo.trainer.forward import completion_scores, pack
 
         def score(probe):
             packed = pack(probe.sequences, probe.prompt_lens, self.pad_id)
@@ -67,16 +67,16 @@ def build_context(cfg: Config) -> TrainContext:
     """Initialises distributed state and builds model, optimizer, generator, data and reward."""
     from megatron.core import parallel_state as ps
 
-    from megatron_grpo.data import PromptSampler, load_prompts, load_tokenizer
+    from megatron_grpo.trainer.data import PromptSampler, load_prompts, load_tokenizer
     from megatron_grpo.models import build_from_hf, load_hf_config, shape_from_hf
     from megatron_grpo.models.spec import configure_fp32_matmul, resolve_backend
-    from megatron_grpo.optim import Optimizer, wrap_model
+    from megatron_grpo.trainer.optim import Optimizer, wrap_model
     from megatron_grpo.parallel import state
     from megatron_grpo.parallel.state import validate_layout
-    from megatron_grpo.rewards import get_reward_fn
+    from megatron_grpo.trainer.rewards import get_reward_fn
     from megatron_grpo.rollout.parity import ProbeBatch
-    from megatron_grpo.step import TrainStep
-    from megatron_grpo.train import layout_of
+    from megatron_grpo.trainer.step import TrainStep
+    from megatron_grpo.trainer.loop import layout_of
 
     configure_fp32_matmul(to_dtype(cfg.policy.precision.compute_dtype))  # before CUDA/cuBLAS initialise
     state.init_distributed(timeout_minutes=cfg.cluster.distributed_timeout_minutes)
@@ -129,7 +129,7 @@ def _model_dir_everywhere(cfg: Config) -> str:
     """Rank 0 resolves (and, for the default, creates) the model dir first; the others follow."""
     import torch.distributed as dist
 
-    from megatron_grpo.train import resolve_model_dir
+    from megatron_grpo.trainer.loop import resolve_model_dir
 
     path = resolve_model_dir(cfg) if dist.get_rank() == 0 else None
     dist.barrier()
@@ -184,7 +184,7 @@ def _build_engine(cfg: Config, model_dir: str, shape):
     ``cpu_bindings`` (CPU: the cores split over the engines' TP workers)."""
     from megatron_grpo.rollout import ROLLOUT_ENGINES
     from megatron_grpo.rollout.pool import EnginePool, available_cpus, cpu_bindings, engine_placement
-    from megatron_grpo.rollout.transfer import resolve_transport
+    from megatron_grpo.rollout.transfer.transport import resolve_transport
 
     g, p = cfg.generation, cfg.policy.precision
     engine_cls = ROLLOUT_ENGINES.get(g.backend)
@@ -278,8 +278,8 @@ def _visible_devices(devices: List[int]) -> List[str]:
 def build_logger(cfg: Config, ctx: TrainContext, start_step: int = 0, resumed: bool = False):
     """Rank 0 writes the resolved config (``<log_dir>/config.yaml``, read by ``megatron-grpo doctor``
     and usable as a recipe) and logs metrics; the other ranks get a disabled logger."""
-    from megatron_grpo.config import to_dict
-    from megatron_grpo.metrics_logger import MetricsLogger, build_trackers
+    from megatron_grpo.config.schema import to_dict
+    from megatron_grpo.observe.metrics_logger import MetricsLogger, build_trackers
 
     lg, enabled = cfg.logger, ctx.rank == 0
     if enabled:
@@ -293,7 +293,7 @@ def write_config(cfg: Config, log_dir: str) -> str:
     """Writes the resolved config as YAML (atomically); returns its path."""
     import yaml
 
-    from megatron_grpo.config import to_dict
+    from megatron_grpo.config.schema import to_dict
 
     os.makedirs(log_dir, exist_ok=True)
     path = os.path.join(log_dir, "config.yaml")

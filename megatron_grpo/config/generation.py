@@ -1,5 +1,5 @@
 """The generator's recipe schema (``generation.*``): backend, engines and their placement, sampling,
-weight transfer, the parity probe and staleness. Re-exported by ``megatron_grpo.config``."""
+weight transfer, the parity probe and staleness. Re-exported by ``megatron_grpo.config.schema``."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import List, Optional
 
-logger = logging.getLogger("megatron_grpo.config")
+logger = logging.getLogger("megatron_grpo.config.schema")
 
 
 @dataclass
@@ -120,7 +120,7 @@ class GenerationConfig:
                              f"be 1 and generation.top_k -1 (got {self.top_p}, {self.top_k})")
 
     def _check_weight_transfer(self) -> None:
-        from megatron_grpo.rollout.transfer import TRANSPORTS
+        from megatron_grpo.rollout.transfer.transport import TRANSPORTS
 
         t = self.weight_transfer
         if t not in TRANSPORTS:

@@ -1,6 +1,6 @@
 """The optimizer-side recipe schema (``policy.megatron_cfg.{optimizer, scheduler,
 distributed_data_parallel_config}``): Megatron-Core's optimizer, LR scheduler and DDP, with
-NeMo-RL's key names. Re-exported by ``megatron_grpo.config``."""
+NeMo-RL's key names. Re-exported by ``megatron_grpo.config.schema``."""
 
 from __future__ import annotations
 

@@ -71,7 +71,7 @@ def default_address(server_url: Optional[str]) -> str:
         return "127.0.0.1"
     from urllib.parse import urlparse
 
-    from megatron_grpo.rollout.gloo_transfer import route_address
+    from megatron_grpo.rollout.transfer.gloo_transfer import route_address
 
     return route_address(urlparse(server_url).hostname or "127.0.0.1")
 
@@ -83,7 +83,7 @@ class VLLMTransfer:
                  num_senders: int = 1, timeout_s: float = 600.0):
         """``num_senders`` (gloo): trainer ranks that send (one per pipeline stage); this object is
         sender 0, the others open ``GlooSender(self.endpoint, index)`` on their ranks while it opens."""
-        from megatron_grpo.rollout.gloo_transfer import TransferEndpoint
+        from megatron_grpo.rollout.transfer.gloo_transfer import TransferEndpoint
 
         if backend not in API_TRANSPORTS:
             raise ValueError(f"generation.weight_transfer: {backend!r} is not a vLLM weight-transfer backend "
@@ -103,7 +103,7 @@ class VLLMTransfer:
     def open(self) -> None:
         """The handshake (once): the engine's workers join the group inside ``init_weight_transfer_engine``."""
         if self.backend == "gloo":
-            from megatron_grpo.rollout import gloo_transfer
+            from megatron_grpo.rollout.transfer import gloo_transfer
 
             self._sender = gloo_transfer.open_transfer(self.client, self.endpoint)
             return
@@ -132,7 +132,7 @@ class VLLMTransfer:
             if not self.opened:
                 self.open()
             if self.backend == "gloo":
-                from megatron_grpo.rollout import gloo_transfer
+                from megatron_grpo.rollout.transfer import gloo_transfer
 
                 names = gloo_transfer.push_round(self.client, self._sender, buckets, version)
                 self.bytes_sent = self._sender.bytes_sent

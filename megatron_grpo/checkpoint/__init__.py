@@ -1,0 +1,1 @@
+"""Checkpoints: atomic folders, a run's state saved and resumed, sharded optimizer state, HF export."""

@@ -1,0 +1,1 @@
+"""Megatron -> generator weight transport: gather and buckets, fan-out, vLLM's weight-transfer API, gloo."""
