@@ -1,3 +1,5 @@
-from megatron_grpo.cli import main
 import sys
+
+from megatron_grpo.cli import main
+
 sys.exit(main())

@@ -12,6 +12,10 @@ import os
 import sys
 from typing import List, Optional
 
+from megatron_grpo.observe import quiet
+from megatron_grpo.observe.doctor import doctor
+from megatron_grpo.observe.plots import build_report, make_figures
+
 
 def _make_tiny_model(args) -> int:
     from megatron_grpo.models.tiny import make_tiny_model
@@ -43,15 +47,14 @@ def _parity_demo(args) -> int:
 
 
 def _train(args) -> int:
-    from megatron_grpo.trainer.loop import main as train_main
+    from megatron_grpo.trainer.launch import main as train_main
 
     return train_main(args.recipe, args.overrides, dry_run=args.dry_run, world_size=args.world_size,
                       as_json=args.json)
 
 
 def _export_hf(args) -> int:
-    from megatron_grpo.checkpoint.folders import CheckpointError
-    from megatron_grpo.checkpoint.export import export_hf
+    from megatron_grpo.checkpoint.export import CheckpointError, export_hf  # torch
 
     try:
         report = export_hf(args.checkpoint_dir, args.out_dir, dtype=args.dtype, model_dir=args.model_dir)
@@ -63,8 +66,6 @@ def _export_hf(args) -> int:
 
 
 def _doctor(args) -> int:
-    from megatron_grpo.observe.doctor import doctor
-
     try:
         return max(doctor(run) for run in args.runs)
     except FileNotFoundError as exc:
@@ -73,8 +74,6 @@ def _doctor(args) -> int:
 
 
 def _plot(args) -> int:
-    from megatron_grpo.observe.plots import make_figures
-
     out = args.out or os.path.join(args.runs[0], "figures")
     for path in make_figures(args.runs, out):
         print(path)
@@ -82,8 +81,6 @@ def _plot(args) -> int:
 
 
 def _report(args) -> int:
-    from megatron_grpo.observe.plots import build_report
-
     print(build_report(args.sweep, args.seed, args.html))
     return 0
 
@@ -142,8 +139,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    from megatron_grpo.observe import quiet
-
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     args = build_parser().parse_args(argv)
     quiet.install(verbose=getattr(args, "verbose", False))

@@ -263,7 +263,7 @@ def _train_step(st, rows, step):
     every row after the update (they show the optimizer state's effect: moments and step)."""
     import torch
 
-    from megatron_grpo.trainer.forward import pack
+    from megatron_grpo.models.forward import pack
     from tests.test_routing import PROMPT, ROWS, SEQ, _metrics, _sequences, _step_batch
 
     metrics = _metrics(st, _step_batch(torch.full((ROWS, SEQ), -7.0), _advantages(step), rows=rows))
@@ -466,7 +466,7 @@ def _fused_adam_worker(model_dir, root, steps=3, saved_at=1):
     for s in range(1, saved_at + 1):
         _train_step(st, rows, s)
     resume.save_checkpoint(_trainer(st, model_dir, ck, saved_at))
-    saved = resume.read_trainer_state(ckpt.step_dir(ck, saved_at))
+    saved = ckpt.read_trainer_state(ckpt.step_dir(ck, saved_at))
     out["saved"] = saved["optimizer_step"], saved["optimizer_group_step"]
     st, rows = build()
     resume.load_checkpoint(_trainer(st, model_dir, ck, 0), ckpt.step_dir(ck, saved_at))
@@ -565,7 +565,7 @@ def test_tampered_trainer_state_cannot_run_code_on_resume(tmp_path):
     CheckpointError naming the file) and its payload never runs."""
     import torch
 
-    from megatron_grpo.checkpoint.resume import read_trainer_state
+    from megatron_grpo.checkpoint.folders import read_trainer_state
 
     marker = tmp_path / "pwned"
     torch.save({"step": 1, "payload": _Exploit(str(marker))}, tmp_path / ckpt.STATE_FILE)

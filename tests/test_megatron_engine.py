@@ -24,7 +24,7 @@ def _engine(model_dir, model, dtype=torch.float32):
 
 
 def _trainer_logprobs(model, rollouts, temperature, dtype=torch.float32):
-    from megatron_grpo.trainer.forward import completion_scores, forward_log_probs, pack
+    from megatron_grpo.models.forward import completion_scores, forward_log_probs, pack
 
     packed = pack([r.prompt_ids + r.completion_ids for r in rollouts], [len(r.prompt_ids) for r in rollouts])
     lp = forward_log_probs(model, packed, compute_dtype=dtype, params_dtype=torch.float32, temperature=temperature)

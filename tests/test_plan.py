@@ -235,7 +235,7 @@ def test_cluster_recipes_fit_with_the_distributed_optimizer(recipe, world, monke
 
 
 def test_dry_run_prints_the_table_and_json(capsys, monkeypatch):
-    from megatron_grpo.trainer.loop import main
+    from megatron_grpo.trainer.launch import main
 
     monkeypatch.chdir(ROOT)
     recipe, world = CLUSTER[0]
@@ -257,11 +257,11 @@ def test_format_plan_lists_terms_and_total():
 
 
 def test_a_real_run_checks_the_plan_before_building_anything(tiny_dense, capsys, monkeypatch):
-    from megatron_grpo.trainer import loop as train
+    from megatron_grpo.trainer import launch, loop
 
-    monkeypatch.setattr(train, "GRPOTrainer", lambda cfg: pytest.fail("built a trainer past the memory check"))
+    monkeypatch.setattr(loop, "GRPOTrainer", lambda cfg: pytest.fail("built a trainer past the memory check"))
     recipe = os.path.join(ROOT, "recipes", "grpo-tiny-eos-cpu.yaml")
-    assert train.main(recipe, [f"policy.model_name={tiny_dense}", "cluster.gpu_memory_gib=0.001",
+    assert launch.main(recipe, [f"policy.model_name={tiny_dense}", "cluster.gpu_memory_gib=0.001",
                                 "generation.backend=vllm_server", "generation.server_url=http://elsewhere:8000"]) == 2
     assert "exceeds cluster.gpu_memory_gib=0.001" in capsys.readouterr().out
 

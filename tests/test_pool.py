@@ -62,7 +62,7 @@ class _FakeEngine:
 
 
 def _generator_error(message):
-    from megatron_grpo.rollout.engines.vllm_engine import GeneratorError
+    from megatron_grpo.rollout.types import GeneratorError
 
     return GeneratorError(message)
 
@@ -282,7 +282,7 @@ def test_engine_placement_stays_on_rank0s_node_and_never_wraps_onto_trainer_gpus
     the visible GPUs is an error instead of a wrap onto a trainer's GPU."""
     from megatron_grpo.trainer import build as setup
     from megatron_grpo.config.schema import Config, GenerationConfig, from_dict
-    from megatron_grpo.trainer.loop import describe_layout
+    from megatron_grpo.trainer.layout import describe_layout
 
     colocated = GenerationConfig(num_engines=2, tensor_parallel_size=4, colocated=True)
     slots = engine_placement(colocated, 16, local_world_size=8, num_local_gpus=8)  # 2 nodes x 8 GPUs

@@ -57,7 +57,7 @@ def _push_worker(model_dir, tp, transport):
     """Rank 0 hosts vLLM; every rank perturbs its shard, pushes, and runs the probe."""
     import torch.distributed as dist
 
-    from megatron_grpo.trainer import forward as F
+    from megatron_grpo.models import forward as F
     from megatron_grpo.models import build_from_hf
     from megatron_grpo.parallel import comm, state
     from megatron_grpo.rollout.parity import ParityError, ProbeBatch, check_parity
@@ -258,7 +258,7 @@ def test_server_on_another_host_gloo_push_from_two_stages_parity_and_dead_server
     from megatron_grpo.rollout.transfer.fanout import SharedFileFanout
     from megatron_grpo.rollout.transfer.gloo_transfer import GlooSender
     from megatron_grpo.rollout.parity import ProbeBatch, check_parity, check_weights
-    from megatron_grpo.rollout.engines.vllm_engine import GeneratorError
+    from megatron_grpo.rollout.types import GeneratorError
     from megatron_grpo.rollout.engines.vllm_server import VLLMServerEngine
 
     prefix, host = another_host

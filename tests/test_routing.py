@@ -52,7 +52,7 @@ def _sequences():
 
 
 def _step_batch(old, advantages, rows=slice(None), routes=None):
-    from megatron_grpo.trainer.forward import pack
+    from megatron_grpo.models.forward import pack
     from megatron_grpo.trainer.step import StepBatch
 
     packed = pack(_sequences(), [PROMPT] * ROWS, 0)
@@ -62,7 +62,7 @@ def _step_batch(old, advantages, rows=slice(None), routes=None):
 
 def _generator_view(model_dir, generation_dtype="bfloat16"):
     """Old log-probs and advantages: the generator's precision emulated by a shadow forward."""
-    from megatron_grpo.trainer.forward import pack
+    from megatron_grpo.models.forward import pack
 
     st = _stepper(model_dir, f"policy.precision.generation_dtype={generation_dtype}")
     old = st.lowp_log_probs(pack(_sequences(), [PROMPT] * ROWS, 0))
@@ -145,7 +145,7 @@ def test_shadow_uses_the_generators_router_precision(near_tie_moe, megatron_sing
 
 
 def test_r3_replays_the_generators_routing(near_tie_moe, megatron_single):
-    from megatron_grpo.trainer.forward import pack
+    from megatron_grpo.models.forward import pack
     from megatron_grpo.models.routing import generator_routes
     from megatron_grpo.rollout import Rollout
 
@@ -175,7 +175,7 @@ def test_r3_replays_the_generators_routing(near_tie_moe, megatron_single):
 def test_r3_without_routes_and_misuse_name_the_key(tiny_dense, near_tie_moe, megatron_single):
     from megatron_grpo.models.qwen3 import load_hf_config, shape_from_hf
     from megatron_grpo.config.recipe import load_recipe
-    from megatron_grpo.trainer.build import check_moe_options
+    from megatron_grpo.trainer.layout import check_moe_options
 
     st = _stepper(near_tie_moe, "policy.megatron_cfg.moe_routing_replay=R3")
     old, adv = torch.zeros(ROWS, SEQ), torch.ones(ROWS)
@@ -217,7 +217,7 @@ def test_ep2_routing_metrics_match_single_process(near_tie_moe, megatron_single)
 
 def _router_grad(model_dir, rows, coeffs):
     """Router gradient of one forward-backward over ``_sequences()`` repeated ``rows // ROWS`` times."""
-    from megatron_grpo.trainer.forward import pack
+    from megatron_grpo.models.forward import pack
     from megatron_grpo.trainer.step import StepBatch
 
     st = _stepper(model_dir, *[f"policy.megatron_cfg.{k}={v}" for k, v in coeffs.items()], **coeffs)

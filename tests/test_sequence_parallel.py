@@ -58,7 +58,7 @@ def _logits(st):
 def _results(dense, moe, old, adv, routes):
     """Dense: logits, log-probs, reduced grads. MoE (aux + z losses, R3): the routing record of a
     no-grad forward, reduced grads, one training step replaying ``routes``, log-probs after it."""
-    from megatron_grpo.trainer.forward import pack
+    from megatron_grpo.models.forward import pack
     from megatron_grpo.models import unwrap
 
     packed = pack(_sequences(), [PROMPT] * ROWS, 0)
@@ -108,7 +108,7 @@ def _close_grads(got, ref, rel):
 
 
 def test_tp2_sequence_parallel_matches_one_process(tiny_dense, tiny_moe, megatron_single):
-    from megatron_grpo.trainer.forward import pack
+    from megatron_grpo.models.forward import pack
 
     st = _stepper(tiny_moe)
     old = st.lowp_log_probs(pack(_sequences(), [PROMPT] * ROWS, 0))
@@ -136,7 +136,7 @@ def test_tp2_sequence_parallel_matches_one_process(tiny_dense, tiny_moe, megatro
 
 
 def test_moe_with_tp2_refuses_sequence_parallel_false(tiny_moe, tiny_dense, capsys):
-    from megatron_grpo.trainer import loop as train
+    from megatron_grpo.trainer import launch, layout
     from megatron_grpo.models.qwen3 import load_hf_config, resolve_sequence_parallel, shape_from_hf
     from megatron_grpo.config.recipe import load_recipe
 
@@ -148,8 +148,8 @@ def test_moe_with_tp2_refuses_sequence_parallel_false(tiny_moe, tiny_dense, caps
     overrides = [f"policy.model_name={tiny_moe}", "policy.megatron_cfg.tensor_model_parallel_size=2",
                  "policy.megatron_cfg.sequence_parallel=false"]
     with pytest.raises(ValueError, match=r"policy\.megatron_cfg\.sequence_parallel=false"):
-        train.describe_layout(load_recipe(RECIPE, overrides), 2)  # the dry run stops
-    assert train.main(RECIPE, overrides, dry_run=True, world_size=2) == 2
+        layout.describe_layout(load_recipe(RECIPE, overrides), 2)  # the dry run stops
+    assert launch.main(RECIPE, overrides, dry_run=True, world_size=2) == 2
     assert "sequence_parallel=false with a MoE model" in capsys.readouterr().out
     with pytest.raises(ValueError, match=r"policy\.megatron_cfg\.sequence_parallel: expected bool"):
         load_recipe(RECIPE, ["policy.megatron_cfg.sequence_parallel=sometimes"])

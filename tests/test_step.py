@@ -149,7 +149,7 @@ def test_parity_probe_is_sampled_text_scored_at_temperature_one(tiny_dense, mega
     scores it at T = 1 like the generator's ``score`` whatever the generation temperature."""
     from types import SimpleNamespace
 
-    from megatron_grpo.trainer.forward import completion_scores, pack
+    from megatron_grpo.models.forward import completion_scores, pack
     from megatron_grpo.rollout import Rollout, Rollouts
     from megatron_grpo.rollout.parity import ProbeBatch
     from megatron_grpo.trainer.build import TrainContext

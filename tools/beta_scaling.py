@@ -100,7 +100,7 @@ def model_kind(model_dir: str) -> tuple:
 
 def sample_text(model, start_id: int, num_seqs: int, seq_len: int, seed: int) -> torch.Tensor:
     """``[num_seqs, 1 + seq_len]`` ids: ``start_id`` then tokens sampled from the model in fp32 (temperature 1)."""
-    from megatron_grpo.trainer.forward import model_device
+    from megatron_grpo.models.forward import model_device
     from megatron_grpo.models import forward_logits
 
     gen = torch.Generator().manual_seed(seed)
@@ -115,7 +115,7 @@ def sample_text(model, start_id: int, num_seqs: int, seq_len: int, seed: int) ->
 
 def score(model, ids: torch.Tensor, compute_dtype: torch.dtype) -> torch.Tensor:
     """Per-token log-probs ``[n_tokens]`` of the sampled tokens of ``ids`` with fp32 params in ``compute_dtype``."""
-    from megatron_grpo.trainer.forward import forward_log_probs, pack
+    from megatron_grpo.models.forward import forward_log_probs, pack
 
     batch = pack(ids.tolist(), [1] * ids.shape[0])
     lp = forward_log_probs(model, batch, compute_dtype=compute_dtype, params_dtype=torch.float32)

@@ -179,7 +179,7 @@ def fp64_log_probs(model, packed):
     fp32 by design: it would cap the reference at fp32)."""
     import torch
 
-    from megatron_grpo.trainer.forward import model_device
+    from megatron_grpo.models.forward import model_device
     from megatron_grpo.models import forward_logits
 
     model.double()
@@ -198,7 +198,7 @@ def precision_log_probs(model, packed, cuda: bool) -> Dict:
     compute; then the fp64 reference) and each one's forward seconds (the second, warm call)."""
     import torch
 
-    from megatron_grpo.trainer.forward import forward_log_probs
+    from megatron_grpo.models.forward import forward_log_probs
 
     lp, seconds = {}, {}
     for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16), ("fp16", torch.float16), ("fp64", None)):
@@ -229,7 +229,7 @@ def measure_beta(model_dir: str, out_json: str, seqs: int, seq_len: int) -> None
     log-prob. True fp32 GEMMs (TF32 off before CUDA initialises)."""
     import torch
 
-    from megatron_grpo.trainer.forward import pack
+    from megatron_grpo.models.forward import pack
     from megatron_grpo.loss.metrics import COMMON_LOGPROB, RARE_LOGPROB
     from megatron_grpo.models import build_from_hf
     from megatron_grpo.models.spec import configure_fp32_matmul

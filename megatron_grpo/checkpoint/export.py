@@ -24,8 +24,17 @@ from dataclasses import dataclass, field
 from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import MetadataIndex
+from torch.distributed.checkpoint.utils import _create_file_view
 
 from megatron_grpo.checkpoint import folders as ckpt
+from megatron_grpo.checkpoint.folders import (
+    CheckpointError,  # noqa: F401  (export-hf's error)
+    read_trainer_state,
+)
+from megatron_grpo.models.qwen3 import load_hf_config, shape_from_hf
+from megatron_grpo.models.weights import RankPlacement, param_maps, unshard
 
 logger = logging.getLogger(__name__)
 
@@ -83,8 +92,6 @@ class DistCheckpointReader:
     """Reads (parts of) tensors of a torch_dist checkpoint folder without a process group."""
 
     def __init__(self, path: str):
-        from torch.distributed.checkpoint import FileSystemReader
-
         self.path = path
         try:
             self.metadata = FileSystemReader(path).read_metadata()
@@ -97,8 +104,6 @@ class DistCheckpointReader:
         """``tensor[index]`` of global tensor ``key``: the chunks under the leading ``index`` only
         (held in ``meter``; the caller releases the result). A single chunk covering it is returned
         as loaded (no copy)."""
-        from torch.distributed.checkpoint.metadata import MetadataIndex
-
         if key not in self.tensors:
             raise ckpt.CheckpointError(f"checkpoint {self.path}: no tensor {key!r} in its torch_dist metadata")
         md, k = self.tensors[key], len(index)
@@ -121,8 +126,6 @@ class DistCheckpointReader:
         return out
 
     def _load_chunk(self, md, index, meter: _Meter) -> torch.Tensor:
-        from torch.distributed.checkpoint.utils import _create_file_view
-
         info = self.metadata.storage_data[index]
         if getattr(info, "transform_descriptors", None):
             raise NotImplementedError(f"checkpoint {self.path}: transformed (compressed) items are not supported")
@@ -150,8 +153,6 @@ def checkpoint_key(mcore_name: str) -> Tuple[str, Tuple[int, ...]]:
 
 def _units(shape) -> Iterator[Tuple[str, list]]:
     """``(unit name, ParamMaps)``: the embeddings, each decoder layer, the final norm and head."""
-    from megatron_grpo.models.weights import RankPlacement, param_maps
-
     maps = param_maps(shape, RankPlacement(num_local_layers=shape.num_layers))
     units: Dict[str, list] = {}
     for pm in maps:
@@ -186,9 +187,6 @@ def export_hf(checkpoint_dir: str, out_dir: str, dtype: Optional[str] = None, mo
     ``dtype``: float32 | bfloat16 | float16 (default: the checkpoint's weight dtype); ``model_dir``:
     the HF folder whose config and tokenizer are copied (default: the one the run used);
     ``progress(name)`` is called after each parameter is converted and each unit written."""
-    from megatron_grpo.models.qwen3 import load_hf_config, shape_from_hf
-    from megatron_grpo.checkpoint.resume import read_trainer_state
-
     path = resolve_checkpoint(checkpoint_dir)
     if dtype is not None and dtype not in DTYPES:
         raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
@@ -249,8 +247,6 @@ def _export_unit(reader: DistCheckpointReader, maps, shape, dtype, meter: _Meter
 def _convert_param(reader: DistCheckpointReader, pm, shape, dtype, meter: _Meter, used: set):
     """One Megatron parameter's HF tensors in ``dtype`` (views of the loaded tensor where no copy
     is needed) and the bytes read for it."""
-    from megatron_grpo.models.weights import unshard
-
     key, index = checkpoint_key(pm.mcore_name)
     main = MAIN_PARAM_PREFIX + key
     source = main if main in reader.tensors else key

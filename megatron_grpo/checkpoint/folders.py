@@ -32,6 +32,7 @@ import string
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
+from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
 logger = logging.getLogger(__name__)
 
@@ -296,8 +297,6 @@ def resolve_for_load(root: str, fallback_to_previous: bool) -> Optional[str]:
 
 def rng_state() -> Dict:
     """This rank's RNG states (torch CPU/CUDA and Megatron's named streams)."""
-    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
-
     state = {"torch": torch.get_rng_state(), "tracker": get_cuda_rng_tracker().get_states()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
@@ -305,9 +304,18 @@ def rng_state() -> Dict:
 
 
 def set_rng_state(state: Dict) -> None:
-    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
-
     torch.set_rng_state(state["torch"])
     get_cuda_rng_tracker().set_states(state["tracker"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
+
+
+def read_trainer_state(path: str) -> dict:
+    """The trainer state of checkpoint ``path``, unpickled with ``weights_only=True``: tensors,
+    numbers, strings, lists and dicts only, so a tampered file cannot run code on resume."""
+    file = os.path.join(path, STATE_FILE)
+    try:
+        return torch.load(file, weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - UnpicklingError, EOFError, RuntimeError, ...
+        raise CheckpointError(f"{file}: cannot be loaded as plain data (weights_only=True): "
+                                   f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}") from exc

@@ -26,15 +26,25 @@ from __future__ import annotations
 import dataclasses
 import glob
 import logging
+import multiprocessing
 import os
 from typing import Optional
 
 import torch
 import torch.distributed as dist
+from megatron.core import dist_checkpointing
+from megatron.core import parallel_state as ps
+from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
+from megatron.core.dist_checkpointing.strategies import filesystem_async
+from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
 
 from megatron_grpo.checkpoint import folders as ckpt
 from megatron_grpo.checkpoint import sharded_state
+from megatron_grpo.checkpoint.export import export_hf
+from megatron_grpo.models import unwrap
 from megatron_grpo.parallel import comm
+from megatron_grpo.rollout.parity import ProbeBatch
 
 logger = logging.getLogger(__name__)
 
@@ -86,7 +96,6 @@ def save_checkpoint(trainer) -> str:
     if request is None:
         return _finalize(out, cfg, trainer.step)
     _raise_agreed(out.error)
-    from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 
     queue = AsyncCallsQueue()
     queue.schedule_async_request(request)
@@ -131,11 +140,6 @@ def save_sharded(model, optimizer, path: str, with_state: bool, async_save: bool
     """Collective: the model's and the optimizer's sharded state dicts into the empty folder
     ``path`` (torch_dist), each rank writing its own shards; with ``async_save`` the writes are
     left to the returned ``AsyncRequest``."""
-    from megatron.core import dist_checkpointing
-    from megatron.core import parallel_state as ps
-    from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
-    from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
-
     _use_fork_write_queue()
     model_sd = sharded_state.model_sharded_state_dict(model)
     optim_sd = sharded_state.optimizer_sharded_state_dict(optimizer.megatron, model_sd, with_state)
@@ -149,8 +153,6 @@ class _ForkWriteQueue:
     """The torch_dist writers' results queue without a helper process (see ``_use_fork_write_queue``)."""
 
     def __init__(self):
-        import multiprocessing
-
         self._queue = multiprocessing.get_context("fork").Queue()
 
     def put(self, item) -> None:
@@ -168,8 +170,6 @@ def _use_fork_write_queue() -> None:
     keeping its stdout/stderr open (a launcher waiting for them hangs), and that needs ``__main__``
     guards in every entry point. The writers are forked (synchronous and asynchronous saves
     alike), so a fork-context queue does the same job without a helper process."""
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
-
     filesystem_async._get_write_results_queue = _ForkWriteQueue
 
 
@@ -178,10 +178,6 @@ def load_sharded(model, optimizer, path: str, step: int, with_state: bool, main_
     """Collective: fills this rank's model weights and optimizer state (allocated if fresh) from
     the torch_dist files of checkpoint ``path``, at this run's layout; ``step`` / ``group_step``:
     the saved per-parameter / param-group Adam step counts (``sharded_state.restore_step``)."""
-    from megatron.core import dist_checkpointing
-
-    from megatron_grpo.models import unwrap
-
     model_sd = sharded_state.model_sharded_state_dict(model)
     optim_sd = sharded_state.optimizer_sharded_state_dict(optimizer.megatron, model_sd, with_state,
                                                           for_loading=True, main_params=main_params)
@@ -276,8 +272,6 @@ def _root_cause(exc: BaseException) -> BaseException:
 def export_last(trainer) -> None:
     """Collective: rank 0 exports the latest checkpoint to ``checkpointing.export_hf`` (a Hugging
     Face model folder); an error is raised on every rank."""
-    from megatron_grpo.checkpoint.export import export_hf
-
     cfg, result = trainer.cfg.checkpointing, None
     if trainer.ctx.rank == 0:
         try:
@@ -305,22 +299,11 @@ def find_resume_dir(trainer) -> Optional[str]:
     return result
 
 
-def read_trainer_state(path: str) -> dict:
-    """The trainer state of checkpoint ``path``, unpickled with ``weights_only=True``: tensors,
-    numbers, strings, lists and dicts only, so a tampered file cannot run code on resume."""
-    file = os.path.join(path, ckpt.STATE_FILE)
-    try:
-        return torch.load(file, weights_only=True)
-    except Exception as exc:  # noqa: BLE001 - UnpicklingError, EOFError, RuntimeError, ...
-        raise ckpt.CheckpointError(f"{file}: cannot be loaded as plain data (weights_only=True): "
-                                   f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}") from exc
-
-
 def load_checkpoint(trainer, path: str) -> None:
     """Restores model, optimizer and trainer state from ``path`` at this run's (any) layout."""
     ctx = trainer.ctx
     opt = ctx.optimizer
-    state = read_trainer_state(path)
+    state = ckpt.read_trainer_state(path)
     if state.get("format") != FORMAT:
         raise ckpt.CheckpointError(f"{os.path.join(path, ckpt.STATE_FILE)}: checkpoint format "
                                    f"{state.get('format', 1)} (HF safetensors) is no longer read; this version "
@@ -364,8 +347,6 @@ def _parity_state(trainer) -> Optional[dict]:
 
 
 def _restore_parity(trainer, state: Optional[dict]) -> None:
-    from megatron_grpo.rollout.parity import ProbeBatch
-
     if state:
         trainer.probe = ProbeBatch(state["sequences"], state["prompt_lens"])
         trainer.parity_baseline = state["baseline"]

@@ -37,6 +37,11 @@ import dataclasses
 from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
+from megatron.core.dist_checkpointing.dict_utils import nested_values
+from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+from megatron_grpo.models import unwrap
 
 STATE_PREFIX = "optimizer.state"
 MAIN_PARAM = "fp32_param"
@@ -76,8 +81,6 @@ class Block:
 
 def model_sharded_state_dict(model) -> dict:
     """The ``GPTModel``'s sharded state dict (inside Megatron's DDP / ``Float16Module``)."""
-    from megatron_grpo.models import unwrap
-
     return unwrap(model).sharded_state_dict()
 
 
@@ -89,8 +92,6 @@ def chained(optimizer) -> List:
 
 def param_states(optimizer) -> Iterator[ParamState]:
     """Every parameter this rank's optimizers update (``optimizer`` is ``Optimizer.megatron``)."""
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-
     for opt in chained(optimizer):
         if isinstance(opt, DistributedOptimizer):
             yield from _distributed_param_states(opt)
@@ -166,9 +167,6 @@ def has_state(optimizer) -> bool:
 def param_blocks(model_sd: dict) -> Dict[int, List[Block]]:
     """``id(weight) -> blocks`` of the model's sharded state dict (factories such as the GLU's
     ``[gate; up]`` split are built: each half is a block with its own global placement)."""
-    from megatron.core.dist_checkpointing.dict_utils import nested_values
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
-
     blocks: Dict[int, List[Block]] = {}
     for value in nested_values(model_sd):
         if isinstance(value, ShardedTensor):
@@ -210,8 +208,6 @@ def _rectangles(start: int, end: int, row_start: int, row_end: int, cols: int) -
 def _pieces(key: str, flat: torch.Tensor, ps: ParamState, blocks: List[Block]) -> List:
     """The ``ShardedTensor`` rectangles of ``flat`` (the owned range ``[ps.start, ps.end)`` of a
     tensor shaped like the weight's local shard) under ``<key>.<model key>``."""
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor
-
     shape = ps.model_param.shape
     assert len(shape) <= 2, f"{blocks[0].template.key}: weights of {len(shape)} dims are not supported"
     cols = shape[1] if len(shape) == 2 else 1

@@ -9,6 +9,9 @@ from typing import List, Optional
 
 logger = logging.getLogger("megatron_grpo.config.schema")
 
+TRANSPORTS = ("auto", "file", "gloo", "nccl", "ipc")
+"""``generation.weight_transfer`` choices (the transports themselves live in ``rollout/transfer``)."""
+
 
 @dataclass
 class GenerationConfig:
@@ -120,8 +123,6 @@ class GenerationConfig:
                              f"be 1 and generation.top_k -1 (got {self.top_p}, {self.top_k})")
 
     def _check_weight_transfer(self) -> None:
-        from megatron_grpo.rollout.transfer.transport import TRANSPORTS
-
         t = self.weight_transfer
         if t not in TRANSPORTS:
             raise ValueError(f"generation.weight_transfer: unknown {t!r}; valid choices: {', '.join(TRANSPORTS)}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import List, Sequence
 
@@ -37,8 +38,6 @@ def _load_tree(path: str, seen: List[str]):
 def _check_is_recipe(path: str, node) -> None:
     """A file none of whose top-level keys is a config section (or ``defaults``) is not a recipe:
     say so without echoing its content (``defaults: /etc/passwd`` must not print the file)."""
-    import dataclasses
-
     keys = list(node.keys()) if node else []
     known = {f.name for f in dataclasses.fields(Config)} | {"defaults"}
     if keys and not any(k in known for k in keys):

@@ -16,9 +16,10 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from megatron_grpo.loss.config import LossConfig
 from megatron_grpo.config.generation import GenerationConfig
 from megatron_grpo.config.optim import DDPConfig, OptimizerConfig, SchedulerConfig
+from megatron_grpo.loss import ADVANTAGE_ESTIMATORS
+from megatron_grpo.loss.config import LossConfig
 
 logger = logging.getLogger(__name__)
 
@@ -185,8 +186,6 @@ class GRPOConfig:
     """Steps with non-finite log-probs/loss/gradients are skipped and counted; this many in a row stop the run."""
 
     def __post_init__(self):
-        from megatron_grpo.loss import ADVANTAGE_ESTIMATORS
-
         if self.advantage_estimator not in ADVANTAGE_ESTIMATORS:
             raise ValueError(f"grpo.advantage_estimator: unknown {self.advantage_estimator!r}; valid choices: "
                              f"{', '.join(ADVANTAGE_ESTIMATORS.names())}")

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from megatron_grpo.loss import aggregation, clips, corrections, ratios
+
 
 @dataclass
 class LossConfig:
@@ -93,8 +95,6 @@ class LossConfig:
     """Raise ``ValueError`` when log-probs at valid tokens are NaN/inf (costs one host sync)."""
 
     def __post_init__(self):
-        from megatron_grpo.loss import aggregation, clips, ratios
-
         if self.ratio not in ratios.RATIO_SOURCES:
             _bad("ratio", self.ratio, ratios.RATIO_SOURCES.names())
         if self.clip not in clips.CLIP_VARIANTS:
@@ -119,8 +119,6 @@ class LossConfig:
 
 
     def _check_correction(self) -> None:
-        from megatron_grpo.loss import corrections
-
         if self.correction_mode not in ("decoupled", "bypass"):
             raise ValueError(f"loss_fn.correction_mode must be decoupled or bypass, got {self.correction_mode!r}")
         if self.correction is None:

@@ -19,6 +19,7 @@ import torch
 
 from megatron_grpo.loss.clips import outside_region
 from megatron_grpo.loss.stats import StatSet, masked_max, masked_sum
+from megatron_grpo.models.routing import same_experts
 
 COMMON_LOGPROB = -5.0
 """Rollout log-prob above which a token is ``common``."""
@@ -113,8 +114,6 @@ def routing_stats(stats: StatSet, train_routes, natural_routes, ref_routes, beta
     """MoE routing agreement per (token, layer) between the routing the trainer's forward used
     and the reference (shadow/generator) routing, the share the replay overrode, and |beta|
     split by whether a token's routing matched in every layer. Routes are ``[B, S, L, k]``."""
-    from megatron_grpo.models.routing import same_experts
-
     differ = ~same_experts(train_routes, ref_routes)
     replayed = ~same_experts(train_routes, natural_routes)
     any_differ = differ.any(-1)

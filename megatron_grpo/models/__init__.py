@@ -6,9 +6,18 @@ from typing import Optional
 
 import torch
 
-from megatron_grpo.models.qwen3 import (ModelShape, build_gpt_model, load_hf_config, resolve_sequence_parallel,
-                                        sequence_multiple, sequence_parallel_disabled, shape_from_hf,
-                                        transformer_config, unwrap)
+from megatron_grpo.models.qwen3 import (
+    ModelShape,
+    build_gpt_model,
+    load_hf_config,
+    resolve_sequence_parallel,
+    sequence_multiple,
+    sequence_parallel_disabled,
+    shape_from_hf,
+    transformer_config,
+    unwrap,
+)
+from megatron_grpo.models.weights import load_hf_weights
 
 
 def build_from_hf(model_dir: str, *, params_dtype: torch.dtype = torch.float32, router_dtype: str = "fp32",
@@ -20,8 +29,6 @@ def build_from_hf(model_dir: str, *, params_dtype: torch.dtype = torch.float32, 
     Returns ``(model, shape)``; the model holds the checkpoint's weights unless ``load_weights=False``.
     """
     from megatron.core import parallel_state as ps
-
-    from megatron_grpo.models.weights import load_hf_weights
 
     shape = shape_from_hf(load_hf_config(model_dir))
     tp = ps.get_tensor_model_parallel_world_size()

@@ -29,6 +29,7 @@ from typing import List, Optional, Tuple
 
 import torch
 
+from megatron_grpo.models.qwen3 import sequence_multiple, unwrap
 from megatron_grpo.parallel import comm
 
 ROUTE_DTYPE = torch.int16
@@ -84,8 +85,6 @@ class Routing:
     def __init__(self, model, train_dtype: torch.dtype, shadow_dtype: torch.dtype):
         from megatron.core.transformer.moe.router import TopKRouter
 
-        from megatron_grpo.models.qwen3 import unwrap
-
         routers = [m for m in unwrap(model).modules() if isinstance(m, TopKRouter)]
         if not routers:
             raise ValueError("routing: the model has no MoE routers")
@@ -122,8 +121,6 @@ class Routing:
     def _sequence_shards(self) -> Tuple[Optional[object], int, int]:
         """(TP group, TP size, TP rank) when the forwards split the sequence over TP, else (None, 1, 0)."""
         from megatron.core import parallel_state as ps
-
-        from megatron_grpo.models.qwen3 import sequence_multiple
 
         tp = sequence_multiple(self.config)
         if tp == 1:

@@ -12,6 +12,8 @@ import os
 
 import torch
 
+from megatron_grpo.models.norm import SequenceParallelRMSNorm
+
 logger = logging.getLogger(__name__)
 
 
@@ -55,8 +57,6 @@ def layer_spec(num_experts: int | None, backend: str = "auto", sequence_parallel
 
 def _use_sequence_parallel_norms(spec) -> None:
     """The local layer spec's four norms (input, pre-MLP, QK) -> ``SequenceParallelRMSNorm``."""
-    from megatron_grpo.models.norm import SequenceParallelRMSNorm
-
     layer = spec.submodules
     layer.input_layernorm = layer.pre_mlp_layernorm = SequenceParallelRMSNorm
     attention = layer.self_attention.submodules
@@ -71,8 +71,6 @@ def model_spec(config, num_experts: int | None, backend: str = "auto"):
     if chosen != "local" or not config.sequence_parallel:
         return spec, chosen
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
-
-    from megatron_grpo.models.norm import SequenceParallelRMSNorm
 
     layers = [spec] * get_num_layers_to_build(config)
     return TransformerBlockSubmodules(layer_specs=layers, layer_norm=SequenceParallelRMSNorm), chosen

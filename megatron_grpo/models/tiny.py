@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
 from typing import Dict
+
+import torch
 
 EOS_TOKEN = "<|endoftext|>"
 SPECIAL_TOKENS = [EOS_TOKEN, "<|im_start|>", "<|im_end|>"]
@@ -57,7 +60,6 @@ def build_tokenizer(vocab_size: int, seed: int = 0):
 def make_tiny_model(out_dir: str, arch: str = "qwen3", *, seed: int = 0, tie_word_embeddings: bool = False,
                     overrides: Dict | None = None) -> str:
     """Writes a tiny HF checkpoint (config, safetensors, tokenizer, generation config) to ``out_dir``."""
-    import torch
     import transformers
 
     if arch not in TINY_SHAPES:
@@ -95,7 +97,6 @@ def default_model_dir(arch: str = "qwen3") -> str:
         try:
             os.replace(tmp, path)
         except OSError:  # another process won the race; its copy is identical
-            import shutil
 
             shutil.rmtree(tmp, ignore_errors=True)
     return path

@@ -14,6 +14,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence
 
+import yaml
+
 from megatron_grpo.observe.metrics_logger import read_metrics_rows
 
 PHANTOM_ZERO_GRAD = 0.01
@@ -59,7 +61,6 @@ def read_config(run_dir: str) -> Optional[Dict[str, Any]]:
     path = os.path.join(folder, "config.yaml")
     if not os.path.isfile(path):
         return None
-    import yaml
 
     with open(path) as f:
         return yaml.safe_load(f)

@@ -4,6 +4,7 @@ reader of metrics.jsonl (torch-free, for the doctor, plots, summary and sweep to
 
 from __future__ import annotations
 
+import importlib
 import json
 import logging
 import math
@@ -189,8 +190,6 @@ def _flat(tree: Dict[str, Any], prefix: str = "") -> Dict[str, Any]:
 
 
 def _require(module: str, key: str):
-    import importlib
-
     try:
         return importlib.import_module(module)
     except ImportError as exc:

@@ -8,7 +8,7 @@ import math
 import os
 from typing import Any, Dict, List, Optional, Sequence
 
-from megatron_grpo.observe.doctor import WINDOW, diagnose, format_verdict, mean, series
+from megatron_grpo.observe.doctor import WINDOW, diagnose, format_verdict, mean, read_metrics, series
 
 PHASES = ("generate", "reward", "train", "weight_push", "parity")
 """The per-step ``timing/<phase>_s`` metrics, summed into the wall-time split."""
@@ -96,8 +96,6 @@ def format_summary(s: Dict[str, Any]) -> str:
 
 def write_summary(log_dir: str, config: Optional[Dict[str, Any]], **kwargs) -> Dict[str, Any]:
     """Reads ``<log_dir>/metrics.jsonl``, writes ``summary.json``; returns the summary (with paths, commands)."""
-    from megatron_grpo.observe.doctor import read_metrics
-
     path = os.path.join(log_dir, "metrics.jsonl")
     rows: List[Dict[str, Any]] = read_metrics(log_dir) if os.path.isfile(path) else []
     summary = summarize(rows, config, **kwargs)

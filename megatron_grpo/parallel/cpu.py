@@ -26,8 +26,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
 import logging
 import os
+import sys
 
 import torch
 
@@ -138,8 +140,6 @@ _CUDA_TYPE_CALLERS = ("megatron.core.optimizer.",)
 def _patch_type_names() -> None:
     """``Tensor.type()`` (no argument) answers ``torch.cuda.FloatTensor`` for a CPU float tensor
     when called from Megatron's optimizer package, whose type-name checks assume CUDA."""
-    import sys
-
     original = torch.Tensor.type
     if getattr(original, "_megatron_grpo", False):
         return
@@ -157,8 +157,6 @@ def _patch_type_names() -> None:
 
 def _patch_tensor_cuda() -> None:
     """``Tensor.cuda()`` from a ``megatron.core`` module returns the (CPU) tensor itself."""
-    import sys
-
     original = torch.Tensor.cuda
     if getattr(original, "_megatron_grpo", False):
         return
@@ -198,8 +196,6 @@ def _rewrap_autocast(layers_module) -> None:
 
 
 def _patch_router() -> None:
-    import importlib
-
     for name in ("megatron.core.transformer.moe.router", "megatron.core.transformer.moe.moe_utils"):
         try:
             module = importlib.import_module(name)

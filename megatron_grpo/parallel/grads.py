@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import List
 
 import torch
+from megatron.core import parallel_state as ps
 
 from megatron_grpo.parallel import comm
 
@@ -23,8 +24,6 @@ def _is_expert(param) -> bool:
 
 def model_sum(params: List[torch.nn.Parameter], per_param) -> torch.Tensor:
     """Sum of ``per_param(i, p)`` over the whole model (float64)."""
-    from megatron.core import parallel_state as ps
-
     tp_rank, etp_rank = ps.get_tensor_model_parallel_rank(), ps.get_expert_tensor_parallel_rank()
     device = params[0].device if params else None
     dense, expert = (torch.zeros((), dtype=torch.float64, device=device) for _ in range(2))

@@ -24,6 +24,9 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from megatron_grpo.rollout.transfer.transport import compare_checksums
+from megatron_grpo.rollout.types import Sampling
+
 DEFAULT_TOLERANCE = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 2.5e-2}
 """Mean |log-prob diff| allowed per dtype. Measured on the tiny Qwen3 (vLLM full low
 precision vs our autocast shadow forward, 96 tokens): fp32 2e-7, fp16 2-4e-4, bf16
@@ -62,8 +65,6 @@ class ProbeBatch:
                 stop_token_ids: Sequence[int] = ()) -> Optional["ProbeBatch"]:
         """Prompts plus completions the generator samples at temperature 1 (fixed seed); None when
         every completion came back empty."""
-        from megatron_grpo.rollout.types import Sampling
-
         rollouts = engine.generate([list(p) for p in prompts], 1, Sampling(
             max_tokens=max_tokens, temperature=1.0, seed=seed, stop_token_ids=tuple(stop_token_ids)))
         kept = [r for r in rollouts if r.completion_ids]
@@ -120,8 +121,6 @@ def check_weights(engine, version: int) -> int:
     """Each engine that can say (``weight_version``, ``weight_checksums``) holds ``version`` and the
     pushed bytes: ``ParityError`` naming the engine and the first differing tensor. Returns the
     number of tensors compared (0 for engines without checksums, e.g. the file transport)."""
-    from megatron_grpo.rollout.transfer.transport import compare_checksums
-
     engines = getattr(engine, "engines", None)
     named = [(engine.name(i), e) for i, e in enumerate(engines)] if engines is not None else [("the generator", engine)]
     total = 0

@@ -29,7 +29,8 @@ from typing import Callable, Iterable, List, Optional, Sequence, Set, Tuple
 
 import torch
 
-from megatron_grpo.rollout.types import RolloutEngine, Rollouts, Sampling
+from megatron_grpo.rollout.transfer.fanout import fan_out, fan_out_streams
+from megatron_grpo.rollout.types import GeneratorError, RolloutEngine, Rollouts, Sampling
 
 logger = logging.getLogger(__name__)
 
@@ -262,8 +263,6 @@ class EnginePool(RolloutEngine):
 
     def _run(self, i: int, fn: Callable[[RolloutEngine], object]):
         """``fn(engine i)``; a failure is remembered (for ``restart_failed``) and re-raised naming the engine."""
-        from megatron_grpo.rollout.engines.vllm_engine import GeneratorError
-
         try:
             return fn(self.engines[i])
         except GeneratorError as exc:
@@ -306,8 +305,6 @@ class EnginePool(RolloutEngine):
 
     def collect(self, handle) -> Rollouts:
         """Each shard's rollouts, in prompt order, prompt indices global; each carries its engine's version."""
-        from megatron_grpo.rollout.engines.vllm_engine import GeneratorError
-
         items = []
         for i, start, engine, sub in handle:
             if self.engines[i] is not engine:
@@ -340,8 +337,6 @@ class EnginePool(RolloutEngine):
     def update_weights(self, buckets, version: int) -> List[str]:
         """One fan-out push to the engines behind ``version`` (all of them when none is), each
         bucket read concurrently by every target engine. Consumes ``buckets`` whatever happens."""
-        from megatron_grpo.rollout.transfer.fanout import fan_out, fan_out_streams
-
         targets = self.push_targets(version)
         if len(targets) < len(self.engines):
             logger.info("pushing weights version %d to engine(s) %s only (the others hold it already)", version,

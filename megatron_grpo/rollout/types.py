@@ -90,3 +90,7 @@ class RolloutEngine:
             self.close()
         except Exception:  # noqa: BLE001 - interpreter shutdown
             pass
+
+
+class GeneratorError(RuntimeError):
+    """The generator process failed, died, or did not answer in time."""

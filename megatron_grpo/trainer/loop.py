@@ -11,14 +11,34 @@ import collections
 import json
 import logging
 import os
+import signal
 import time
-from typing import Dict, Optional, Sequence
+from typing import Dict, Optional
 
 import torch
 
-from megatron_grpo.config.schema import Config, to_dtype, to_dict
-from megatron_grpo.parallel.state import Layout
-from megatron_grpo.trainer.plan import check_fits, format_plan, memory_plan
+from megatron_grpo import faults
+from megatron_grpo.checkpoint.resume import (
+    export_last,
+    find_resume_dir,
+    finish_pending_save,
+    load_checkpoint,
+    save_checkpoint,
+)
+from megatron_grpo.config.schema import Config, to_dict, to_dtype
+from megatron_grpo.loss import ADVANTAGE_ESTIMATORS, finalize
+from megatron_grpo.observe.doctor import LiveDoctor
+from megatron_grpo.observe.metrics_logger import to_host
+from megatron_grpo.observe.summary import format_summary, write_summary
+from megatron_grpo.parallel import comm
+from megatron_grpo.rollout import Sampling
+from megatron_grpo.rollout.parity import DEFAULT_MAX_TOLERANCE, DEFAULT_TOLERANCE, ParityError, ProbeBatch, check_parity
+from megatron_grpo.rollout.staleness import StalenessGate
+from megatron_grpo.rollout.transfer.weight_sync import PushReport, push_weights
+from megatron_grpo.rollout.types import GeneratorError
+from megatron_grpo.trainer import build as setup
+from megatron_grpo.trainer.rewards import agreed_timeout_s, score_once
+from megatron_grpo.trainer.step import build_step_batch, rollout_metrics
 
 logger = logging.getLogger(__name__)
 
@@ -27,31 +47,10 @@ PREEMPTED_EXIT_CODE = 75
 resume it); a scheduler can tell it from success (0) and from errors (1, 2)."""
 
 
-def layout_of(cfg: Config, world_size: int) -> Layout:
-    m = cfg.policy.megatron_cfg
-    return Layout(world_size=world_size, tp=m.tensor_model_parallel_size, pp=m.pipeline_model_parallel_size,
-                  ep=m.expert_model_parallel_size, etp=m.expert_tensor_parallel_size, cp=m.context_parallel_size)
-
-
-def resolve_model_dir(cfg: Config) -> str:
-    """``policy.model_name``, ``tiny:qwen3`` / ``tiny:qwen3-moe``, or (null) the embedded tiny Qwen3."""
-    from megatron_grpo.models.tiny import default_model_dir
-
-    name = cfg.policy.model_name
-    path = default_model_dir(name.split(":", 1)[1]) if name and name.startswith("tiny:") else (name or default_model_dir())
-    if not os.path.isfile(os.path.join(path, "config.json")):
-        raise FileNotFoundError(f"policy.model_name: {path} is not a Hugging Face checkpoint dir (no config.json)")
-    return path
-
-
 class GRPOTrainer:
     """Owns the model, optimizer, generator and logger of one run."""
 
     def __init__(self, cfg: Config):
-        from megatron_grpo.trainer import build as setup
-        from megatron_grpo.observe.doctor import LiveDoctor
-        from megatron_grpo.rollout.staleness import StalenessGate
-
         self._started = time.perf_counter()
         self.cfg = cfg
         self.ctx = setup.build_context(cfg)
@@ -71,8 +70,6 @@ class GRPOTrainer:
 
     def maybe_resume(self) -> bool:
         """With ``checkpointing.resume``, restores the latest checkpoint and re-pushes its weights."""
-        from megatron_grpo.checkpoint.resume import find_resume_dir, load_checkpoint
-
         if not self.cfg.checkpointing.resume:
             return False
         path = find_resume_dir(self)
@@ -87,8 +84,6 @@ class GRPOTrainer:
         """Runs ``grpo.max_num_steps`` steps. SIGTERM/SIGINT (on any rank) stop the run at the next
         step boundary, agreed by every rank, with a checkpoint of the last finished step; returns
         0, or ``PREEMPTED_EXIT_CODE`` when stopped by a signal (the run is unfinished)."""
-        from megatron_grpo import faults
-
         self._install_signal_handlers()
         stopped, saved_at = "error", None
         try:
@@ -123,8 +118,6 @@ class GRPOTrainer:
     def finish(self, stopped: Optional[str]) -> None:
         """Rank 0: the end-of-run summary from metrics.jsonl, printed and written to summary.json.
         Never raises (a failure here must not hide the run's own error)."""
-        from megatron_grpo.observe.summary import format_summary, write_summary
-
         if self.ctx.rank != 0:
             return
         try:
@@ -141,22 +134,16 @@ class GRPOTrainer:
         return bool(self.cfg.checkpointing.checkpoint_dir) and period > 0 and self.step % period == 0
 
     def save(self) -> str:
-        from megatron_grpo.checkpoint.resume import save_checkpoint
-
         return save_checkpoint(self)
 
     def finish_checkpoints(self, export: bool) -> None:
         """Waits for an asynchronous checkpoint to be finalized; then, on a finished run with
         ``checkpointing.export_hf``, exports the last checkpoint as a Hugging Face model."""
-        from megatron_grpo.checkpoint.resume import export_last, finish_pending_save
-
         finish_pending_save()
         if export and self.cfg.checkpointing.export_hf:
             export_last(self)
 
     def _install_signal_handlers(self) -> None:
-        import signal
-
         def request_stop(signum, frame):
             logger.warning("signal %d: saving a checkpoint at the end of this step, then exiting", signum)
             self._stop_requested = True
@@ -166,8 +153,6 @@ class GRPOTrainer:
 
     def stop_requested(self) -> bool:
         """True on every rank when any rank got SIGTERM/SIGINT (agreed at the step boundary)."""
-        from megatron_grpo.parallel import comm
-
         flag = torch.tensor(float(self._stop_requested), device=comm.collective_device(self.ctx.device))
         self._stop_requested = bool(comm.all_reduce_max(flag, comm.world_group()).item())
         return self._stop_requested
@@ -185,10 +170,6 @@ class GRPOTrainer:
                                f"step {self.step}: {culprit}")
 
     def train_step(self) -> Dict[str, float]:
-        from megatron_grpo.loss import ADVANTAGE_ESTIMATORS, finalize
-        from megatron_grpo.observe.metrics_logger import to_host
-        from megatron_grpo.trainer.step import build_step_batch, rollout_metrics
-
         started = time.perf_counter()
         rollouts = self.next_rollouts()
         if self.ctx.engine is not None:
@@ -242,10 +223,6 @@ class GRPOTrainer:
         s - k (the generator works through them while the trainer trains); rollouts older than
         ``max_staleness`` versions are dropped, counted and regenerated.
         """
-        from megatron_grpo.parallel import comm
-
-        from megatron_grpo.rollout.engines.vllm_engine import GeneratorError
-
         for attempt in range(self.cfg.generation.max_restarts + 1):
             result = None
             if self.ctx.engine is not None:
@@ -276,8 +253,6 @@ class GRPOTrainer:
             self.push_weights(probe=False)
 
     def _collect_fresh(self):
-        from megatron_grpo import faults
-
         faults.maybe_kill_generator(self.step + 1, self.ctx.engine)
         while True:
             handle = self._pending.popleft() if self._pending else self._submit(self.step)
@@ -300,8 +275,6 @@ class GRPOTrainer:
         """Submits the generation of step index ``step`` (0-based). Its prompts and seeds are drawn
         once and kept until the step trains: a retry after a generator crash, or a regeneration of
         stale rollouts, asks for the very same prompts and seeds (no prompt is skipped)."""
-        from megatron_grpo.rollout import Sampling
-
         if step not in self._planned:
             g = self.cfg.generation
             prompts = self.ctx.sampler.next(self.cfg.grpo.num_prompts_per_step)
@@ -313,9 +286,6 @@ class GRPOTrainer:
 
     def score(self, rollouts) -> torch.Tensor:
         """Rewards scored once on rank 0 and broadcast (every rank gets the same values or error)."""
-        from megatron_grpo.parallel import comm
-        from megatron_grpo.trainer.rewards import agreed_timeout_s, score_once
-
         timeout_s = agreed_timeout_s(self.cfg.reward.timeout_s, self.cfg.cluster.distributed_timeout_minutes,
                                      comm.group_size(comm.world_group()))
         return score_once(self.ctx.reward_fn, self.cfg.reward.name, self.step + 1,
@@ -328,10 +298,6 @@ class GRPOTrainer:
         """Pushes the new weights to the generator and runs the parity probe when due. A generator
         that dies during the push is restarted and pushed to again (agreed by every rank, since
         the push's gathers are collective), at most ``generation.max_restarts`` times."""
-        from megatron_grpo import faults
-        from megatron_grpo.parallel import comm
-        from megatron_grpo.rollout.engines.vllm_engine import GeneratorError
-
         started = time.perf_counter()
         wake_engines(self.ctx.engine, self.cfg.generation.colocated)
         for attempt in range(self.cfg.generation.max_restarts + 1):
@@ -357,8 +323,6 @@ class GRPOTrainer:
     def _push_once(self):
         """One push of the current weights (collective: every rank gathers). An engine that shares
         the trainer's weights (``megatron``, on every rank) only records the version: nothing moves."""
-        from megatron_grpo.rollout.transfer.weight_sync import PushReport, push_weights
-
         if getattr(self.ctx.engine, "shares_trainer_weights", False):
             self.ctx.engine.update_weights((), self.version)
             return PushReport(version=self.version)
@@ -368,8 +332,6 @@ class GRPOTrainer:
 
     def _recover_generator(self, attempt: int, during: str, error: str, push: bool = True) -> None:
         """After a generator crash (every rank agrees): restart it, or stop after too many tries."""
-        from megatron_grpo.rollout.engines.vllm_engine import GeneratorError
-
         if attempt >= self.cfg.generation.max_restarts:
             raise GeneratorError(f"generator failed {attempt + 1} times during {during} at step {self.step + 1}; "
                                  f"last error: {error}")
@@ -381,8 +343,6 @@ class GRPOTrainer:
         """Parity probe (generator vs trainer log-probs on the fixed probe set, temperature 1); the
         first one records the baseline the later ones are compared with. A generator that dies
         during the probe is restarted (weights re-pushed) and probed again."""
-        from megatron_grpo.rollout.parity import ParityError
-
         g = self.cfg.generation
         if g.parity_probe_every == 0 or (not force and self.version % g.parity_probe_every):
             return {}
@@ -400,11 +360,6 @@ class GRPOTrainer:
     def _probe_once(self):
         """``(status, value)`` agreed by every rank: ("ok", metrics), ("parity", message) or
         ("generator", error) when the generator died."""
-        from megatron_grpo import faults
-        from megatron_grpo.parallel import comm
-        from megatron_grpo.rollout.parity import DEFAULT_MAX_TOLERANCE, DEFAULT_TOLERANCE, ParityError, check_parity
-        from megatron_grpo.rollout.engines.vllm_engine import GeneratorError
-
         g = self.cfg.generation
         gen_dtype = to_dtype(self.cfg.policy.precision.generation_dtype)
         tol = g.parity_tolerance or DEFAULT_TOLERANCE[gen_dtype]
@@ -435,9 +390,6 @@ class GRPOTrainer:
         """The probe set, sampled once from the generator at the start (realistic sequences from
         the first prompts; temperature 1, fixed seed) and broadcast; synthetic tokens if every
         sampled completion is empty."""
-        from megatron_grpo.parallel import comm
-        from megatron_grpo.rollout.parity import ProbeBatch
-
         if self.probe is None:
             probe = None
             if self.ctx.engine is not None:
@@ -458,8 +410,6 @@ def wake_engines(engine, colocated: bool) -> None:
     """Before a push: every rank returns its cached GPU blocks (colocated engine e wakes on the GPUs
     of trainer ranks e*TP ..., not only rank 0's), colocated ranks agree they have, then rank 0 (the
     one holding ``engine``) wakes the engines from the trainer step's sleep."""
-    from megatron_grpo.parallel import comm
-
     release_device_cache()
     if colocated:
         comm.barrier(comm.world_group())
@@ -473,79 +423,3 @@ def release_device_cache() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
-
-
-def describe_layout(cfg: Config, world_size: int) -> Dict:
-    """The resolved config, parallel layout and memory plan, validated without building anything heavy
-    (``memory`` is None when ``policy.model_name`` is not a local HF dir)."""
-    from megatron_grpo.parallel.state import validate_layout
-
-    layout = layout_of(cfg, world_size)
-    shape = _local_shape(cfg)
-    validate_layout(layout, num_layers=shape.num_layers if shape else None,
-                    num_experts=shape.num_experts if shape else None,
-                    num_query_groups=shape.num_kv_heads if shape else None)
-    plan = None
-    from megatron_grpo.rollout.pool import check_engine_shape, engine_placement, format_placement
-
-    if shape is not None:
-        from megatron_grpo.trainer.build import check_moe_options
-
-        check_moe_options(cfg, shape)
-        check_engine_shape(cfg.generation, shape)
-        plan = check_memory(cfg, shape, world_size)
-    node = cfg.cluster.gpus_per_node
-    local = min(world_size, node) if node else None  # rank 0's node on the cluster the recipe describes
-    engines = [dict(engine=s.index, driver_rank=0, ranks=s.ranks, devices=s.devices, url=s.url)
-               for s in engine_placement(cfg.generation, world_size, local, node)]
-    return {"config": to_dict(cfg), "layout": {"world_size": layout.world_size, "tp": layout.tp, "pp": layout.pp,
-                                               "cp": layout.cp, "ep": layout.ep, "etp": layout.etp, "dp": layout.dp},
-            "memory": plan.to_dict() if plan else None, "memory_table": format_plan(plan) if plan else None,
-            "engines": engines, "engines_table": format_placement(cfg.generation, world_size, local)}
-
-
-def _local_shape(cfg: Config):
-    from megatron_grpo.models.qwen3 import load_hf_config, shape_from_hf
-
-    model_dir = cfg.policy.model_name
-    return shape_from_hf(load_hf_config(model_dir)) if model_dir and os.path.isdir(model_dir) else None
-
-
-def check_memory(cfg: Config, shape, world_size: int):
-    """The memory plan of the most loaded rank; ``ValueError`` when it exceeds ``cluster.gpu_memory_gib``."""
-    plan = memory_plan(cfg, shape, world_size)
-    check_fits(plan, cfg, shape)
-    return plan
-
-
-def _print_dry_run(described: Dict, as_json: bool) -> None:
-    if as_json:
-        print(json.dumps({k: v for k, v in described.items() if not k.endswith("_table")}, indent=2))
-        return
-    layout = ", ".join(f"{k}={v}" for k, v in described["layout"].items())
-    print(f"layout: {layout}")
-    print(described["engines_table"])
-    print(described["memory_table"] or "memory plan: none (policy.model_name is not a local HF checkpoint dir)")
-
-
-def main(recipe: str, overrides: Sequence[str], dry_run: bool = False, world_size: Optional[int] = None,
-         as_json: bool = False) -> int:
-    """CLI entry: load + validate the recipe (and its memory plan), then train (or print the dry run)."""
-    from megatron_grpo.config.recipe import load_recipe
-
-    world_size = world_size or int(os.environ.get("WORLD_SIZE", "1"))
-    try:
-        cfg = load_recipe(recipe, overrides)
-        if dry_run:
-            _print_dry_run(describe_layout(cfg, world_size), as_json)
-            return 0
-        if cfg.cluster.gpu_memory_gib is not None:
-            from megatron_grpo.models.qwen3 import load_hf_config, shape_from_hf
-
-            check_memory(cfg, shape_from_hf(load_hf_config(resolve_model_dir(cfg))), world_size)
-        trainer = GRPOTrainer(cfg)
-    except (ValueError, FileNotFoundError, RuntimeError) as exc:
-        logger.error("%s", exc)
-        print(f"error: {exc}", flush=True)
-        return 2
-    return trainer.train()

@@ -21,16 +21,20 @@ import math
 from typing import Dict, List
 
 import torch
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from megatron_grpo.config.schema import Config, to_dtype
+from megatron_grpo.models import unwrap
+from megatron_grpo.models.forward import model_device
 from megatron_grpo.parallel.state import has_gloo_groups
 
 
 def ddp_config(cfg: Config):
     """Megatron's ``DistributedDataParallelConfig`` for the recipe. Without master weights the
     gradient buffers are in the params' dtype (the optimizer updates the params with them)."""
-    from megatron.core.distributed import DistributedDataParallelConfig
-
     m, p = cfg.policy.megatron_cfg, cfg.policy.precision
     d = m.distributed_data_parallel_config
     return DistributedDataParallelConfig(
@@ -42,17 +46,11 @@ def ddp_config(cfg: Config):
 
 def wrap_model(model, cfg: Config):
     """This rank's model (a ``GPTModel``, possibly in ``Float16Module``) inside Megatron's DDP."""
-    from megatron.core.distributed import DistributedDataParallel
-
-    from megatron_grpo.models import unwrap
-
     return DistributedDataParallel(config=unwrap(model).config, ddp_config=ddp_config(cfg), module=model)
 
 
 def optimizer_config(cfg: Config):
     """Megatron's ``OptimizerConfig`` for the recipe (NeMo-RL's ``megatron_cfg.optimizer`` keys)."""
-    from megatron.core.optimizer import OptimizerConfig
-
     o, p = cfg.policy.megatron_cfg.optimizer, cfg.policy.precision
     params_dtype = to_dtype(p.params_dtype)
     return OptimizerConfig(
@@ -76,15 +74,11 @@ def finalize_grads(model_chunks, num_tokens=None, **kwargs) -> None:
     """Megatron's ``finalize_model_grads`` (DP / expert-DP reduction, TP-partial QK-norm and
     sequence-parallel grads, embedding ties across PP stages) without the division by the token
     count: our losses are already global token means."""
-    from megatron.core.distributed import finalize_model_grads
-
     finalize_model_grads(model_chunks, None, **kwargs)
 
 
 def configure_schedule(model, optimizer: "Optimizer", cfg: Config) -> None:
     """Sets the hooks Megatron's schedules read from the model config."""
-    from megatron_grpo.models import unwrap
-
     config, d = unwrap(model).config, cfg.policy.megatron_cfg.distributed_data_parallel_config
     config.finalize_model_grads_func = finalize_grads
     config.grad_scale_func = optimizer.megatron.scale_loss if optimizer.has_loss_scaler else None
@@ -100,9 +94,6 @@ class Optimizer:
     non-finite skip (``train/skipped_nonfinite``, limited by ``grpo.max_consecutive_skips``)."""
 
     def __init__(self, model, cfg: Config):
-        from megatron.core.optimizer import get_megatron_optimizer
-        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-
         self.model, self.cfg = model, cfg
         # gloo groups exist on CPU only (parallel/state.py); Megatron's default assumes them
         self.megatron = get_megatron_optimizer(optimizer_config(cfg), [model],
@@ -138,8 +129,6 @@ class Optimizer:
     def step(self) -> Dict[str, torch.Tensor]:
         """Unscale + found-inf (fp16) -> global grad norm -> skip if non-finite, else clip and update
         (then the LR scheduler). Returns ``train/grad_norm``, ``train/lr`` and the skip flags."""
-        from megatron_grpo.trainer.forward import model_device
-
         device = model_device(self.model)
         scale_before = self.loss_scale()
         found_inf = self.megatron.prepare_grads()  # fp16: unscales, checks, updates the scaler
@@ -159,8 +148,6 @@ class Optimizer:
                 "train/skipped_nonfinite": flag(not finite and not overflow), "train/skipped_overflow": flag(overflow)}
 
     def _clip(self, norm: float) -> None:
-        from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
-
         for opt in self.chained:
             params = opt.get_parameters()
             if opt.config.clip_grad <= 0 or not params or getattr(opt, "is_stub_optimizer", False):

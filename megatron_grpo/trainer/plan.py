@@ -15,11 +15,13 @@ buffers (upper bounds: every sequence padded to ``generation.max_model_len``), a
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import asdict, dataclass
 from typing import Dict, List, Optional, Tuple
 
 from megatron_grpo.config.schema import DTYPES, Config
 from megatron_grpo.models.qwen3 import ModelShape, resolve_sequence_parallel
+from megatron_grpo.parallel.logprobs import DEFAULT_CHUNK_SIZE
 
 GIB = 1024 ** 3
 MC = "policy.megatron_cfg."
@@ -133,8 +135,6 @@ def fused_optimizer_available() -> bool:
     """Megatron-Core takes Transformer Engine's (else Apex's) FusedAdam when importable and falls back
     to torch's AdamW (``megatron/core/optimizer/__init__.py``); only the moments' dtype without master
     weights depends on it."""
-    import importlib.util
-
     return any(importlib.util.find_spec(name) is not None for name in ("transformer_engine", "apex"))
 
 
@@ -253,8 +253,6 @@ def _logit_terms(cfg: Config, shape: ModelShape) -> List[Term]:
     """Last stage: the logits ``[b*s, V/tp]`` and their gradient in the compute dtype, and the log-prob
     kernel's chunk buffers (logprobs.py: one fp32 chunk copy in forward; in backward the fp32 softmax
     chunk and its cast to the logits' dtype, no cast for fp32)."""
-    from megatron_grpo.parallel.logprobs import DEFAULT_CHUNK_SIZE
-
     m, p = cfg.policy.megatron_cfg, cfg.policy.precision
     vocab_local = shape.vocab_size / m.tensor_model_parallel_size
     num_tokens = cfg.policy.train_micro_batch_size * cfg.generation.max_model_len / m.context_parallel_size

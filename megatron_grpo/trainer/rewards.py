@@ -7,10 +7,12 @@ prompt_ids=[[int]])`` and returns one finite number per completion.
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Callable, List, Optional, Sequence
 
 import torch
 
+from megatron_grpo.parallel import comm
 from megatron_grpo.registry import Registry, _import_dotted
 
 REWARDS = Registry("reward function")
@@ -77,8 +79,6 @@ def score_once(fn: Callable, name: str, step: int, completion_ids, decode: Calla
     same error (a user's reward may be slow, stateful or call a service: N ranks must not call it N
     times). The other ranks wait in the broadcast, bounded by ``cluster.distributed_timeout_minutes``;
     rank 0's call is bounded by ``reward.timeout_s``. ``decode(ids)`` gives the texts (rank 0 only)."""
-    from megatron_grpo.parallel import comm
-
     result = None
     if rank == 0:
         try:
@@ -96,8 +96,6 @@ def score_once(fn: Callable, name: str, step: int, completion_ids, decode: Calla
 
 
 def _is_number(value) -> bool:
-    import numbers
-
     return isinstance(value, numbers.Real) and not isinstance(value, bool) or (
         isinstance(value, torch.Tensor) and value.numel() == 1 and value.is_floating_point())
 

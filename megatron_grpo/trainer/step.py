@@ -15,14 +15,27 @@ from dataclasses import dataclass
 from typing import Dict, Optional, Tuple
 
 import torch
+from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from megatron_grpo import faults
 from megatron_grpo.config.schema import Config, to_dtype
-from megatron_grpo.trainer.forward import (PackedBatch, forward_log_probs, log_probs_from_logits, pack, pipeline_dtype,
-                                   precision_context)
-from megatron_grpo.loss import StatSet, policy_loss_stats
+from megatron_grpo.loss import StatSet, clips, policy_loss_stats
+from megatron_grpo.loss.metrics import routing_stats
+from megatron_grpo.loss.policy import weight_center
 from megatron_grpo.loss.stats import masked_sum
+from megatron_grpo.models import forward_logits, sequence_multiple, unwrap
+from megatron_grpo.models.forward import (
+    PackedBatch,
+    forward_log_probs,
+    log_probs_from_logits,
+    model_device,
+    pack,
+    pipeline_dtype,
+    precision_context,
+)
+from megatron_grpo.models.routing import Routing, generator_routes, select_layers
 from megatron_grpo.parallel import comm
+from megatron_grpo.parallel import grads as grad_utils
 from megatron_grpo.rollout import Rollouts
 
 
@@ -54,8 +67,6 @@ def build_step_batch(rollouts: Rollouts, advantages: torch.Tensor, dp_rank: int,
     that all ranks raise together (never one rank inside the schedule's collectives): a batch
     without any valid completion token, or non-finite generator log-probs / advantages.
     Advantages stay float64 (the loss casts them)."""
-    from megatron_grpo.models.routing import generator_routes
-
     seqs = [r.prompt_ids + r.completion_ids for r in rollouts]
     prompt_lens = [len(r.prompt_ids) for r in rollouts]
     packed = pack(seqs, prompt_lens, pad_id)
@@ -121,8 +132,6 @@ class TrainStep:
 
         A step whose log-probs are non-finite on any rank is skipped (no update) and counted.
         """
-        from megatron_grpo.trainer.forward import model_device
-
         self.current_step, self.nonfinite = step, []
         device = model_device(self.model)
         batch = batch.to(device)
@@ -160,8 +169,6 @@ class TrainStep:
         """Cosine between the actual (reduced) gradient and the clean REINFORCE gradient
         -(A * logp * mask).sum() / num_tokens (same routing replay), run through the same schedule
         and reduction; leaves the actual gradient in DDP's buffers."""
-        from megatron_grpo.parallel import grads as grad_utils
-
         params = self.optimizer.params
         actual = [p.main_grad.clone() for p in params]
         self.optimizer.zero_grad()
@@ -184,9 +191,6 @@ class TrainStep:
         training forward (same precision, same routing replay), before the schedule; None for
         the other variants. The ratio's value only needs the trainer's log-probs with
         ``ratio=train``; the other sources get it from the shadow / the generator."""
-        from megatron_grpo.loss import clips
-        from megatron_grpo.loss.policy import weight_center
-
         if not getattr(clips.get_clip_variant(self.cfg.loss_fn.clip), "needs_center", False):
             return None
         if self.cfg.loss_fn.ratio == "train":
@@ -219,8 +223,6 @@ class TrainStep:
         return shadow, shadow_routes, {"R2": shadow_routes, "R3": generator_routes}.get(self.replay)
 
     def _generator_routes(self, batch: StepBatch) -> Optional[torch.Tensor]:
-        from megatron_grpo.models.routing import select_layers
-
         if self.replay != "R3":
             return None
         if batch.routes is None:
@@ -229,8 +231,6 @@ class TrainStep:
 
     def _routing_stats(self, stats: StatSet, batch: StepBatch, train_lp, shadow, shadow_routes) -> None:
         """Routing agreement of the training forward with the shadow's (the generator's) routing."""
-        from megatron_grpo.loss.metrics import routing_stats
-
         used, natural = self.train_routes
         reference = shadow_routes if shadow_routes is not None else used
         beta = train_lp - shadow if shadow is not None else torch.zeros_like(train_lp)
@@ -267,10 +267,6 @@ class TrainStep:
     def _schedule(self, batch: StepBatch, loss_func, replay, record_routes: bool = False) -> None:
         """One forward-backward of ``loss_func(rows, logits)`` over the batch's micro-batches in
         Megatron's schedule; gradients land reduced in DDP's buffers (``finalize_model_grads``)."""
-        from megatron.core.pipeline_parallel import get_forward_backward_func
-
-        from megatron_grpo.models import forward_logits
-
         mbs = self.cfg.policy.train_micro_batch_size
         rows, seq_len = batch.packed.input_ids.shape
         slices = [slice(i, min(i + mbs, rows)) for i in range(0, rows, mbs)]
@@ -294,8 +290,6 @@ class TrainStep:
         ``calculate_per_token_loss`` Megatron multiplies them by each micro-batch's token count
         and leaves the division by the global count to ``finalize_model_grads``; our losses are
         already global means, so the coefficients carry that division instead."""
-        from megatron_grpo.models import sequence_multiple, unwrap
-
         config = unwrap(self.model).config
         if not getattr(config, "num_moe_experts", None):
             return
@@ -317,9 +311,6 @@ class TrainStep:
 
 def make_routing(model, cfg: Config):
     """The MoE ``Routing`` control of ``model`` (None for a dense model)."""
-    from megatron_grpo.models import unwrap
-    from megatron_grpo.models.routing import Routing
-
     m, p = cfg.policy.megatron_cfg, cfg.policy.precision
     if not getattr(unwrap(model).config, "num_moe_experts", None):
         if m.moe_routing_replay != "none":

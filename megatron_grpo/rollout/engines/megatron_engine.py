@@ -52,7 +52,13 @@ from dataclasses import dataclass, field
 from typing import Iterable, List, Optional, Sequence
 
 import torch
+from megatron.core import parallel_state as ps
+from megatron.core.inference.contexts import StaticInferenceContext
 
+from megatron_grpo.models import sequence_parallel_disabled
+from megatron_grpo.models.forward import completion_scores, forward_log_probs, model_device, pack, precision_context
+from megatron_grpo.parallel import comm
+from megatron_grpo.parallel.logprobs import token_log_probs
 from megatron_grpo.rollout.types import Rollout, RolloutEngine, Rollouts, Sampling
 
 logger = logging.getLogger(__name__)
@@ -81,10 +87,6 @@ class MegatronEngine(RolloutEngine):
                  is_moe: bool = False):
         """``model``: this rank's trainer model; ``micro_batch_size``: rows per scoring forward (the
         trainer's); ``gpu_memory_utilization`` / ``kv_cache_gib`` / ``is_moe`` are vLLM's, unused."""
-        from megatron.core import parallel_state as ps
-
-        from megatron_grpo.parallel import comm
-
         self.model, self.dtype, self.params_dtype = model, dtype, params_dtype
         self.max_model_len, self.micro_batch_size, self.pad_id = max_model_len, micro_batch_size, pad_id
         self.eos_ids = _eos_ids(model_dir)
@@ -155,8 +157,6 @@ class MegatronEngine(RolloutEngine):
     def _inference_mode(self):
         """No grad, and eval mode (Megatron uses the KV cache only outside training mode); no sequence
         parallelism (a one-token decode step cannot be split over TP ranks)."""
-        from megatron_grpo.models import sequence_parallel_disabled
-
         was_training = self.model.training
         self.model.eval()
         try:
@@ -167,8 +167,6 @@ class MegatronEngine(RolloutEngine):
 
     def _decode(self, rows: List[_Row], sampling: Sampling) -> None:
         """KV-cached sampling of ``rows`` (one prompt length) until each stops; fills their tokens."""
-        from megatron.core.inference.contexts import StaticInferenceContext
-
         prompt_len = len(rows[0].prompt)
         budget = min(sampling.max_tokens, self.max_model_len - prompt_len)
         stops = set(sampling.stop_token_ids) | self.eos_ids
@@ -196,8 +194,6 @@ class MegatronEngine(RolloutEngine):
     def _forward(self, ids: torch.Tensor, start: int, context) -> torch.Tensor:
         """Logits ``[B, V]`` (all of the vocabulary, gathered over TP) of the last of ``ids`` ``[B, s]``
         at positions ``start ...``; advances the KV cache by s."""
-        from megatron_grpo.trainer.forward import model_device, precision_context
-
         device = model_device(self.model)
         ids = ids.to(device)
         positions = torch.arange(start, start + ids.shape[1], device=device).unsqueeze(0).expand_as(ids)
@@ -208,9 +204,6 @@ class MegatronEngine(RolloutEngine):
 
     def _sample(self, logits: torch.Tensor, rows: List[_Row], temperature: float) -> torch.Tensor:
         """One token per row: argmax of softmax(logits / T) / Exp(1) noise from the row's generator."""
-        from megatron_grpo.parallel.logprobs import token_log_probs
-        from megatron_grpo.parallel import comm
-
         probs = torch.softmax(logits.float() / temperature, dim=-1)  # the temperature after the fp32 cast
         noise = torch.stack([torch.empty(probs.shape[-1]).exponential_(generator=r.generator) for r in rows])
         tokens = (probs / noise.to(probs.device)).argmax(dim=-1)
@@ -225,8 +218,6 @@ class MegatronEngine(RolloutEngine):
     def _score_rows(self, seqs: List[List[int]], prompt_lens: List[int], temperature: float) -> List[List[float]]:
         """Log-probs of ``seqs[i][prompt_lens[i]:]``: this DP rank's rows of the whole batch, packed at
         the whole batch's width (as the trainer packs a step), by the trainer's forward; gathered."""
-        from megatron_grpo.trainer.forward import completion_scores, forward_log_probs, pack
-
         if not seqs:
             return []
         part = pack(seqs, prompt_lens, self.pad_id).rows(self._shard(len(seqs)))
@@ -240,16 +231,12 @@ class MegatronEngine(RolloutEngine):
 
     def _shard(self, total: int) -> slice:
         """This DP rank's contiguous slice of ``total`` rows (all of them without DP sharding)."""
-        from megatron_grpo.parallel import comm
-
         size, rank = comm.group_size(self.dp_group), comm.group_rank(self.dp_group)
         per = -(-total // size)
         return slice(min(rank * per, total), min((rank + 1) * per, total))
 
     def _gather(self, items: list) -> list:
         """Every DP rank's ``items`` (its ``_shard`` slice), concatenated in rank order."""
-        from megatron_grpo.parallel import comm
-
         return [item for part in comm.all_gather_object(items, self.dp_group) for item in part]
 
 

@@ -8,6 +8,13 @@ file read by every engine of the pool) and its path is the argument.
 
 from __future__ import annotations
 
+import logging
+
+from vllm.config import set_current_vllm_config
+from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+
+from megatron_grpo.rollout.engines.vllm_worker import _repack_moe
+
 
 class WeightLoaderExtension:
     """Adds ``megatron_grpo_begin_push()``, ``megatron_grpo_load(path, is_moe)``, ``megatron_grpo_end_push()`` and
@@ -18,18 +25,12 @@ class WeightLoaderExtension:
         load every bucket, finalize once). Reloading bucket by bucket instead finalizes every layer at each
         bucket and warns "<Layer>: Failed to load weights" for each layer of the other buckets (thousands of
         lines per push at Qwen3-0.6B's shape); a layer that no bucket of the push loads still warns, once."""
-        from vllm.config import set_current_vllm_config
-        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
-
         with set_current_vllm_config(self.vllm_config):
             initialize_layerwise_reload(self.model_runner.get_model())
         self.megatron_grpo_push_open = True
 
     def megatron_grpo_load(self, path: str, is_moe: str = "0") -> int:
         from safetensors.torch import load_file
-        from vllm.config import set_current_vllm_config
-
-        from megatron_grpo.rollout.engines.vllm_worker import _repack_moe
 
         tensors = load_file(path)  # memory-mapped views (measured: 384 MB in 5 ms), copied once into the params
         if getattr(self, "megatron_grpo_push_open", False):
@@ -45,11 +46,6 @@ class WeightLoaderExtension:
         """Closes the push's reload: every layer is processed (repacked) and the layers no bucket loaded get
         their current weights back (vLLM warns about those; not after a refused push, ``failed="1"``, whose
         error already names the tensor and after which nothing of the rest was loaded)."""
-        import logging
-
-        from vllm.config import set_current_vllm_config
-        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
-
         if not getattr(self, "megatron_grpo_push_open", False):
             return
         self.megatron_grpo_push_open = False
@@ -67,6 +63,4 @@ class WeightLoaderExtension:
 
     def megatron_grpo_repack_moe(self) -> None:
         """Once after a push of several buckets loaded with ``is_moe="0"`` (see ``_repack_moe``)."""
-        from megatron_grpo.rollout.engines.vllm_worker import _repack_moe
-
         _repack_moe(self)

@@ -18,15 +18,14 @@ from typing import Iterable, List, Optional, Sequence, Tuple
 import torch
 import torch.multiprocessing as mp
 
-from megatron_grpo.rollout.types import Rollout, RolloutEngine, Rollouts, Sampling
+from megatron_grpo.rollout.engines import vllm_worker
+from megatron_grpo.rollout.transfer.fanout import UNKNOWN_VERSION, fan_out
+from megatron_grpo.rollout.transfer.transport import VLLMTransfer, digesting
+from megatron_grpo.rollout.types import GeneratorError, Rollout, RolloutEngine, Rollouts, Sampling
 
 logger = logging.getLogger(__name__)
 
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
-
-
-class GeneratorError(RuntimeError):
-    """The generator process failed, died, or did not answer in time."""
 
 
 class VLLMEngine(RolloutEngine):
@@ -56,15 +55,11 @@ class VLLMEngine(RolloutEngine):
         self.weight_transfer, self.pushed_digests, self._transfer = weight_transfer, {}, None
         self._start(start_timeout_s)
         if weight_transfer != "file":
-            from megatron_grpo.rollout.transfer.transport import VLLMTransfer
-
             self._transfer = VLLMTransfer(weight_transfer, OfflineWeightSyncClient(self),
                                           address=transfer_address or "127.0.0.1",
                                           num_workers=tensor_parallel_size, timeout_s=request_timeout_s)
 
     def _start(self, timeout_s: float) -> None:
-        from megatron_grpo.rollout.engines import vllm_worker
-
         ctx = mp.get_context("spawn")
         self._requests, self._responses = ctx.Queue(), ctx.Queue()
         # TP > 1: vLLM spawns its workers from this process, which a daemonic process may not do (it still
@@ -135,9 +130,6 @@ class VLLMEngine(RolloutEngine):
         """Streams ``buckets`` (lists of (HF name, tensor in the generator dtype)) into vLLM: ``file``,
         each bucket as one file (``fanout.fan_out``, here with a single reader); otherwise one round
         of vLLM's weight-transfer API (``LLM.start_weight_update`` / ``update_weights`` / ``finish``)."""
-        from megatron_grpo.rollout.transfer.fanout import UNKNOWN_VERSION, fan_out
-        from megatron_grpo.rollout.transfer.transport import digesting
-
         if self._transfer is None:
             return fan_out(buckets, [self], version)
         self.pushed_digests = {}

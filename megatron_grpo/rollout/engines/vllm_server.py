@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -33,8 +34,10 @@ from typing import Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
-from megatron_grpo.rollout.types import Rollout, RolloutEngine, Rollouts, Sampling
-from megatron_grpo.rollout.engines.vllm_engine import DTYPE_NAMES, GeneratorError
+from megatron_grpo.rollout.engines.vllm_engine import DTYPE_NAMES
+from megatron_grpo.rollout.transfer.fanout import UNKNOWN_VERSION, fan_out
+from megatron_grpo.rollout.transfer.transport import VLLMTransfer, default_address, digesting
+from megatron_grpo.rollout.types import GeneratorError, Rollout, RolloutEngine, Rollouts, Sampling
 
 logger = logging.getLogger(__name__)
 
@@ -101,8 +104,6 @@ class VLLMServerEngine(RolloutEngine):
         process is sender 0; one per pipeline stage); ``launch_prefix``: a command the launched
         server runs under (e.g. ``ip netns exec``, ``unshare ...``: its own network / mount namespace);
         ``launch_host``: the address the launched server listens on (that namespace's)."""
-        from megatron_grpo.rollout.transfer.transport import VLLMTransfer, default_address
-
         self.dtype, self.model_dir, self.is_moe = dtype, model_dir, is_moe
         self.weight_transfer, self.pushed_digests = weight_transfer, {}
         address = transfer_address or default_address(url or f"http://{launch_host}")
@@ -243,9 +244,6 @@ class VLLMServerEngine(RolloutEngine):
     def update_weights(self, buckets: Iterable[List[Tuple[str, torch.Tensor]]], version: int) -> List[str]:
         """``file``: each bucket a safetensors file (``fanout.fan_out``, one reader). Otherwise vLLM's
         weight-transfer round between ``/pause`` and ``/resume``."""
-        from megatron_grpo.rollout.transfer.fanout import UNKNOWN_VERSION, fan_out
-        from megatron_grpo.rollout.transfer.transport import digesting
-
         if self._transfer is None:
             return fan_out(buckets, [self], version)
         self.pushed_digests = {}
@@ -316,8 +314,6 @@ class VLLMServerEngine(RolloutEngine):
 
     def kill_process(self) -> None:
         """SIGKILL the server and its children (fault drills)."""
-        import signal
-
         if self._proc is not None and self._proc.poll() is None:
             os.killpg(self._proc.pid, signal.SIGKILL)
             self._proc.wait(timeout=30)

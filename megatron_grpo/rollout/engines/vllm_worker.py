@@ -13,7 +13,16 @@ generator unlinks each once read. Files, not pickled tensors, because with
 from __future__ import annotations
 
 import os
+import signal
+import threading
+import time
 import traceback
+
+import torch
+
+from megatron_grpo.observe import quiet
+from megatron_grpo.observe.quiet import is_verbose
+from megatron_grpo.rollout.transfer import gloo_transfer
 
 _TRAINER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "MASTER_ADDR",
                 "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT")
@@ -24,10 +33,6 @@ def _die_with_parent() -> None:
     on preemption, must reach the trainer, which saves and then closes the generator, not kill the
     generator under it), but must not outlive the trainer (a SIGKILLed trainer would leave it, and
     the pipes it holds, behind): Linux's parent-death signal, plus a watchdog thread."""
-    import signal
-    import threading
-    import time
-
     try:
         os.setsid()
     except OSError:  # already a group leader
@@ -60,7 +65,6 @@ def serve(options: dict, requests, responses) -> None:
         _bind_cores(options["cpu_bind"], int(options.get("tensor_parallel_size", 1)))
     if options.get("devices"):  # GPU placement (the pool's); ignored without CUDA
         os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in options["devices"])
-    from megatron_grpo.observe import quiet
 
     quiet.install(verbose=quiet.is_verbose())
     try:
@@ -86,8 +90,6 @@ def serve(options: dict, requests, responses) -> None:
 def _sleep(llm, level, requests) -> None:
     """vLLM's sleep (weights offloaded, KV cache freed), then this process's own cached blocks (sampling and
     scoring temporaries outside vLLM's pool) back to the driver, so the trainer can use them."""
-    import torch
-
     llm.sleep(level=level)
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -101,7 +103,6 @@ def _bind_cores(cpu_bind: str, tp: int) -> None:
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_bind
     if tp > 1:
         return
-    import torch
 
     cpus = sorted({int(c) for part in cpu_bind.split(",") for c in _id_range(part)})
     os.environ["OMP_NUM_THREADS"] = str(len(cpus))
@@ -118,18 +119,14 @@ def _id_range(part: str):
 
 
 def _build(options: dict):
-    from vllm import LLM
-
-    from megatron_grpo.observe.quiet import is_verbose
+    from vllm import LLM  # after serve() set the process's placement and threads: the generator's boundary
 
     extra = {"enable_prefix_caching": True, "use_tqdm_on_load": is_verbose()}
     tp = int(options.get("tensor_parallel_size", 1))
     if options.get("sleep_mode"):
         extra["enable_sleep_mode"] = True
     if options.get("weight_transfer", "file") != "file":  # vLLM's weight-transfer API (``transfer.py``)
-        from megatron_grpo.rollout.transfer.gloo_transfer import register
-
-        register()  # what the entry point does; also works from a source checkout that is not pip-installed
+        gloo_transfer.register()  # what the entry point does; also works from a source checkout that is not pip-installed
         extra["weight_transfer_config"] = {"backend": options["weight_transfer"]}
     if options.get("return_routed_experts"):
         # vLLM returns routed experts through its AuxOutput connector, which needs Model Runner V2

@@ -33,7 +33,6 @@ from typing import Callable, Iterable, List, Sequence, Tuple
 
 import torch
 
-
 logger = logging.getLogger(__name__)
 
 Bucket = List[Tuple[str, torch.Tensor]]

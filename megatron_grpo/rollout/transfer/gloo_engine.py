@@ -18,12 +18,26 @@ from dataclasses import dataclass
 from typing import Iterable, List, Optional
 
 import torch
-from vllm.distributed.weight_transfer.base import (TrainerInitInfo, TrainerWeightTransferEngine,
-                                                   WeightTransferEngine, WeightTransferInitInfo,
-                                                   WeightTransferUpdateInfo)
+from vllm.distributed.weight_transfer.base import (
+    TrainerInitInfo,
+    TrainerWeightTransferEngine,
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+)
+from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
-from megatron_grpo.rollout.transfer.gloo_transfer import (BACKEND, Bucket, GlooSender, TransferEndpoint, open_group,
-                                                 open_transfer, push_round, receive_all)
+from megatron_grpo.rollout.engines.vllm_worker import repack_moe
+from megatron_grpo.rollout.transfer.gloo_transfer import (
+    BACKEND,
+    Bucket,
+    GlooSender,
+    TransferEndpoint,
+    open_group,
+    open_transfer,
+    push_round,
+    receive_all,
+)
 
 
 @dataclass
@@ -65,8 +79,6 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
                              init_info.timeout_s)
 
     def start_weight_update(self) -> None:
-        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
-
         initialize_layerwise_reload(self.model)
 
     def update_weights(self, update_info: dict) -> None:
@@ -80,10 +92,6 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         self.num_loaded = receive_all(self.pg, self.num_senders, self.model.load_weights)
 
     def finish_weight_update(self) -> None:
-        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
-
-        from megatron_grpo.rollout.engines.vllm_worker import repack_moe
-
         finalize_layerwise_reload(self.model, self.model_config)
         repack_moe(self.model)
 

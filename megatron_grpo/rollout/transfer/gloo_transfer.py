@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import json
 import queue
+import socket
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -38,6 +39,7 @@ from datetime import timedelta
 from typing import Iterable, List, Optional, Tuple
 
 import torch
+from torch.distributed import PrefixStore, ProcessGroupGloo, TCPStore
 
 BACKEND = "gloo"
 ENGINES_MODULE = "megatron_grpo.rollout.transfer.gloo_engine"
@@ -62,8 +64,6 @@ def route_address(host: str) -> str:
     """This process's address on the route to ``host`` (a UDP connect picks the route and sends
     nothing): what a peer that reaches ``host`` can reach back. Not ``gethostbyname(hostname)``: on a
     multi-homed node, or in another network namespace, that address may be unreachable from ``host``."""
-    import socket
-
     try:
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
             s.connect((host, 9))
@@ -78,8 +78,6 @@ def open_group(host: str, port: int, rank: int, world_size: int, timeout_s: floa
     trainer's and vLLM's default groups are never touched), but with gloo's device bound to
     ``route_address(host)``. Left to itself gloo binds whatever the hostname resolves to, and a member
     on another host (network namespace) then waits for pairs it can never connect (measured: a hang)."""
-    from torch.distributed import PrefixStore, ProcessGroupGloo, TCPStore
-
     timeout = timedelta(seconds=timeout_s)
     store = TCPStore(host, port, world_size, is_master=rank == 0, timeout=timeout, wait_for_workers=False)
     options = ProcessGroupGloo._Options()

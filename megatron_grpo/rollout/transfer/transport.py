@@ -18,12 +18,16 @@ protocol: ``init_weight_transfer_engine``, ``start_weight_update``, ``update_wei
 
 from __future__ import annotations
 
+import hashlib
 import socket
 from typing import Iterable, List, Optional, Tuple
+from urllib.parse import urlparse
 
 import torch
 
-TRANSPORTS = ("auto", "file", "gloo", "nccl", "ipc")
+from megatron_grpo.rollout.transfer import gloo_transfer
+from megatron_grpo.rollout.transfer.gloo_transfer import TransferEndpoint, route_address
+
 API_TRANSPORTS = ("gloo", "nccl", "ipc")
 Bucket = List[Tuple[str, torch.Tensor]]
 
@@ -69,9 +73,6 @@ def default_address(server_url: Optional[str]) -> str:
     of this host's interface that routes to the server (``gloo_transfer.route_address``)."""
     if server_url is None:
         return "127.0.0.1"
-    from urllib.parse import urlparse
-
-    from megatron_grpo.rollout.transfer.gloo_transfer import route_address
 
     return route_address(urlparse(server_url).hostname or "127.0.0.1")
 
@@ -83,8 +84,6 @@ class VLLMTransfer:
                  num_senders: int = 1, timeout_s: float = 600.0):
         """``num_senders`` (gloo): trainer ranks that send (one per pipeline stage); this object is
         sender 0, the others open ``GlooSender(self.endpoint, index)`` on their ranks while it opens."""
-        from megatron_grpo.rollout.transfer.gloo_transfer import TransferEndpoint
-
         if backend not in API_TRANSPORTS:
             raise ValueError(f"generation.weight_transfer: {backend!r} is not a vLLM weight-transfer backend "
                              f"({', '.join(API_TRANSPORTS)})")
@@ -103,8 +102,6 @@ class VLLMTransfer:
     def open(self) -> None:
         """The handshake (once): the engine's workers join the group inside ``init_weight_transfer_engine``."""
         if self.backend == "gloo":
-            from megatron_grpo.rollout.transfer import gloo_transfer
-
             self._sender = gloo_transfer.open_transfer(self.client, self.endpoint)
             return
         from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
@@ -132,8 +129,6 @@ class VLLMTransfer:
             if not self.opened:
                 self.open()
             if self.backend == "gloo":
-                from megatron_grpo.rollout.transfer import gloo_transfer
-
                 names = gloo_transfer.push_round(self.client, self._sender, buckets, version)
                 self.bytes_sent = self._sender.bytes_sent
                 return names
@@ -220,8 +215,6 @@ def digesting(buckets: Iterable[Bucket], out: dict) -> Iterable[Bucket]:
 
 def trainer_digests(named_tensors: Iterable[Tuple[str, torch.Tensor]]) -> dict:
     """sha256 of each pushed tensor's bytes, as vLLM's ``/weight_checker`` computes them."""
-    import hashlib
-
     return {n: hashlib.sha256(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy()).hexdigest()
             for n, t in named_tensors}
 

@@ -20,10 +20,13 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator, List, Optional, Tuple
 
 import torch
+from megatron.core import parallel_state as ps
 
 from megatron_grpo.models.qwen3 import unwrap
 from megatron_grpo.models.weights import RankPlacement, _device, _export_order, _rename_expert, unshard
 from megatron_grpo.parallel import comm
+from megatron_grpo.rollout.parity import ParityError
+from megatron_grpo.rollout.types import GeneratorError
 
 logger = logging.getLogger(__name__)
 
@@ -82,8 +85,6 @@ def hf_buckets(model, shape, dtype: torch.dtype, bucket_bytes: int, report: Push
 def stage_leader(stage: int) -> int:
     """Global rank of pipeline stage ``stage``'s sender: its first rank (Megatron's rank order
     ``tp-cp-ep-dp-pp`` puts PP outermost, so stage s holds ranks s*W/PP ... (s+1)*W/PP - 1)."""
-    from megatron.core import parallel_state as ps
-
     world = comm.group_size(comm.world_group())
     return stage * world // ps.get_pipeline_model_parallel_world_size()
 
@@ -98,8 +99,6 @@ def stage_hf_tensors(model, shape, dtype: torch.dtype) -> Iterator[Tuple[str, to
     Local shards are cast (a copy) before they are gathered. Ranks that share the leader's TP group
     (dense weights) or its expert tensor-and-model-parallel group (experts) run the gathers and
     yield nothing; every other rank returns at once."""
-    from megatron.core import parallel_state as ps
-
     me, leader = _my_rank(), stage_leader(ps.get_pipeline_model_parallel_rank())
     tp = ps.get_tensor_model_parallel_group()
     dense = leader in comm.group_ranks(tp)
@@ -127,8 +126,6 @@ def stage_hf_tensors(model, shape, dtype: torch.dtype) -> Iterator[Tuple[str, to
 def _gather_expert(pm, local, shape, place, me: int, leader: int):
     """One local expert's shards to its expert-TP root, then that slot of every EP rank to the leader
     (the expert-TP roots of the leader's block are exactly the leader's EP group)."""
-    from megatron.core import parallel_state as ps
-
     etp, ep = ps.get_expert_tensor_parallel_group(), ps.get_expert_model_parallel_group()
     root = comm.group_ranks(etp)[0]
     shards = comm.gather_to(local, root, etp)
@@ -151,8 +148,6 @@ def hf_tensors_on_rank0(model, shape, dtype: torch.dtype) -> Iterator[Tuple[str,
     """Every HF tensor of the model in ``dtype``, yielded on global rank 0 only (collective: every
     rank calls it). Stage 0 comes from its own gathers; stages > 0 from their leaders,
     point-to-point, in stage order. Headers cross on the first push only."""
-    from megatron.core import parallel_state as ps
-
     tensors = stage_hf_tensors(model, shape, dtype)
     num_stages, me = ps.get_pipeline_model_parallel_world_size(), _my_rank()
     cache = _HEADERS.setdefault(unwrap(model), {})
@@ -214,8 +209,6 @@ def push_weights(model, shape, engine, version: int, *, dtype: torch.dtype, buck
         try:
             engine.update_weights(buckets, version)
         except Exception as exc:  # noqa: BLE001 - the generator refused a name or shape, or died
-            from megatron_grpo.rollout.parity import ParityError
-            from megatron_grpo.rollout.engines.vllm_engine import GeneratorError
 
             for _ in buckets:  # finish the collective gathers every other rank is running
                 pass

@@ -12,7 +12,10 @@ from dataclasses import dataclass
 from typing import List, Sequence
 
 import torch
+from megatron.core.pipeline_parallel import get_forward_backward_func
 
+from megatron_grpo.models import forward_logits, unwrap
+from megatron_grpo.parallel import comm
 from megatron_grpo.parallel.logprobs import token_log_probs
 
 
@@ -66,8 +69,6 @@ def pipeline_dtype(model, compute_dtype: torch.dtype, params_dtype: torch.dtype)
     """Sets the dtype of the activations (and their gradients) the pipeline stages exchange to what
     a stage outputs under ``precision_context``: the autocast dtype when autocast is on (a stage's
     last residual add is then in that dtype, as between two layers with PP = 1), else the params'."""
-    from megatron_grpo.models import unwrap
-
     config = unwrap(model).config
     autocast = not (compute_dtype == params_dtype or compute_dtype == torch.float32)
     previous, config.pipeline_dtype = config.pipeline_dtype, compute_dtype if autocast else params_dtype
@@ -90,11 +91,6 @@ def forward_log_probs(model, batch: PackedBatch, *, compute_dtype: torch.dtype, 
     ``compute_dtype``, through Megatron's forward-only schedule (pipeline stages pass activations;
     the last stage computes the log-probs and every stage gets them). With PP > 1 the rows are
     padded to whole micro-batches (the P2P buffers have one shape) and the padding dropped."""
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
-    from megatron_grpo.models import forward_logits
-    from megatron_grpo.parallel import comm
-
     device = model_device(model)
     rows, seq_len = batch.input_ids.shape
     padded = _pad_rows(batch.to(device), micro_batch_size) if comm.group_size(comm.pipeline_group()) > 1 else batch.to(device)
