@@ -74,7 +74,7 @@ def test_generator_process_leaves_the_trainers_process_group():
     import sys
 
     code = ("import os\n"
-            "from megatron_grpo.rollout import vllm_worker\n"
+            "from megatron_grpo.rollout.engines import vllm_worker\n"
             "before = os.getpgid(0)\n"
             "vllm_worker._die_with_parent()\n"
             "print(before != os.getpgid(0), os.getpgid(0) == os.getpid())\n")

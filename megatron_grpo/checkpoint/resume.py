@@ -4,7 +4,7 @@ A checkpoint folder holds the torch_dist files of the model and optimizer state 
 writes the shards it owns, in parallel; ``sharded_state.py`` says what they hold) and
 ``trainer_state.pt`` (rank 0): step, policy version, data position, staleness and skip counters,
 the parity baseline, every rank's RNG states, the LR scheduler's and loss scalers' state dicts
-and the optimizer's step count. ``checkpoint.py`` makes it atomic (temporary folder, manifest,
+and the optimizer's step count. ``folders.py`` makes it atomic (temporary folder, manifest,
 rename, ``latest`` last) and verifies it on load.
 
 No rank gathers the model or the optimizer state: with TP / DP / EP each rank writes and reads

@@ -38,7 +38,7 @@ class VLLMEngine(RolloutEngine):
                  cpu_bind: Optional[str] = None, devices: Optional[List[int]] = None, sleep_mode: bool = False,
                  weight_transfer: str = "file", transfer_address: Optional[str] = None):
         """``weight_transfer``: ``file`` (bucket files, same host) or a vLLM weight-transfer backend
-        (``transfer.py``: the ``LLM`` RL API; ``transfer_address`` = where its workers reach this
+        (``transport.py``: the ``LLM`` RL API; ``transfer_address`` = where its workers reach this
         process, default loopback); ``cpu_bind``: vLLM's ``VLLM_CPU_OMP_THREADS_BIND`` for this
         engine (one core list per TP worker, ``|``-separated; None = vLLM's automatic binding, which
         refuses TP > 1 on one NUMA node); ``devices``: the GPUs it runs on (None = inherited);

@@ -98,7 +98,7 @@ class VLLMServerEngine(RolloutEngine):
                  cpu_bind: Optional[str] = None, devices: Optional[List[int]] = None, sleep_mode: bool = False,
                  weight_transfer: str = "file", transfer_address: Optional[str] = None, transfer_senders: int = 1,
                  launch_prefix: Sequence[str] = (), launch_host: str = "127.0.0.1"):
-        """``weight_transfer``: ``file`` or a vLLM weight-transfer backend (``transfer.py``);
+        """``weight_transfer``: ``file`` or a vLLM weight-transfer backend (``transport.py``);
         ``transfer_address``: where the server's workers reach this process (null: loopback for a
         launched server, this host's address for ``url``); ``transfer_senders``: gloo senders (this
         process is sender 0; one per pipeline stage); ``launch_prefix``: a command the launched

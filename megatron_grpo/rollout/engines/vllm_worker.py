@@ -125,7 +125,7 @@ def _build(options: dict):
     tp = int(options.get("tensor_parallel_size", 1))
     if options.get("sleep_mode"):
         extra["enable_sleep_mode"] = True
-    if options.get("weight_transfer", "file") != "file":  # vLLM's weight-transfer API (``transfer.py``)
+    if options.get("weight_transfer", "file") != "file":  # vLLM's weight-transfer API (``transport.py``)
         gloo_transfer.register()  # what the entry point does; also works from a source checkout that is not pip-installed
         extra["weight_transfer_config"] = {"backend": options["weight_transfer"]}
     if options.get("return_routed_experts"):

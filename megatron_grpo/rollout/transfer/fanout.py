@@ -11,7 +11,7 @@ load concurrently:
   The folder must hold ``max_in_flight`` buckets: before each write its free space is checked
   (``os.statvfs``); a full /dev/shm (Docker gives 64 MiB) falls back to the temp dir on disk
   with a warning, and an error names both folders and sizes when neither fits.
-- vLLM's weight-transfer API (``generation.weight_transfer`` gloo / nccl / ipc: ``transfer.py``):
+- vLLM's weight-transfer API (``generation.weight_transfer`` gloo / nccl / ipc: ``transport.py``):
   each engine streams the buckets itself; ``fan_out_streams`` hands every bucket to every
   engine's stream (one thread each).
 
