@@ -4,7 +4,6 @@ and truncated on resume; readers tolerate it; an unparsable earlier line names t
 import json
 import logging
 import os
-import sys
 
 import pytest
 
@@ -64,10 +63,8 @@ def test_an_unparsable_line_before_the_last_names_file_and_line(tmp_path):
 def test_readers_ignore_a_torn_last_line_without_changing_the_file(tmp_path, caplog):
     from megatron_grpo.observe.doctor import read_metrics
     from megatron_grpo.observe.plots import load_runs
+    from megatron_grpo.observe.experiments import read_rows
     from megatron_grpo.observe.summary import write_summary
-
-    sys.path.insert(0, os.path.join(ROOT, "tools"))
-    from sweep import read_rows
 
     path = _metrics_file(str(tmp_path), [1, 2], TORN)
     with caplog.at_level(logging.WARNING):

@@ -30,7 +30,7 @@ def sweep_dir(tmp_path_factory, tiny_dense):
 
 @vllm
 def test_sweep_writes_table_with_columns_and_is_resumable(sweep_dir):
-    from sweep import COLUMNS
+    from megatron_grpo.observe.experiments import SUMMARY_COLUMNS as COLUMNS
 
     out, cmd = sweep_dir
     with open(os.path.join(out, "summary.csv")) as f:
@@ -99,8 +99,8 @@ def test_moe_runs_get_routing_figures(tmp_path):
 @pytest.mark.slow
 def test_gpu_check_dry_run_trains_runs_a_and_b(tmp_path):
     """``GPU_CHECK_DRY=1 tools/gpu_check.sh``: the device check's own script and every phase on CPU (tiny
-    model of the Qwen3-0.6B family written without transformers, no tokenizer; smoke = 1 step, A / B /
-    fp16 = 2 steps of the real ``megatron-grpo train`` with generation.backend=megatron)."""
+    model of the Qwen3-0.6B family written without transformers, no tokenizer; smoke = 1 step, A / shadow /
+    fp16 / B = 2 steps of the real ``megatron-grpo train`` with generation.backend=megatron)."""
     from gpu_check import PHASES
 
     out = tmp_path / "out"
@@ -111,23 +111,28 @@ def test_gpu_check_dry_run_trains_runs_a_and_b(tmp_path):
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     assert "gpu_check: OK" in proc.stdout
     assert sorted(os.listdir(out)) == ["gpu_check.json", "gpu_check.log", "run_A.metrics.jsonl", "run_B.metrics.jsonl",
-                                       "run_fp16.metrics.jsonl", "run_smoke.metrics.jsonl"]  # small files only
+                                       "run_fp16.metrics.jsonl", "run_shadow.metrics.jsonl",
+                                       "run_smoke.metrics.jsonl"]  # small files only
     results = json.loads((out / "gpu_check.json").read_text())
     assert results["ok"] and results["finished"] and results["running"] is None and results["mode"] == "dry"
     phases = results["phases"]
     assert list(phases) == list(PHASES) and all(p["status"] == "ok" and p["seconds"] > 0 for p in phases.values())
+    assert PHASES.index("fp16") < PHASES.index("B")  # the loss-scaling run is not the first one skipped
     pre = phases["preflight"]["measurements"]
     assert pre["problems"] == [] and pre["device"] == "cpu" and pre["work_free_gib"] > 0
     assert all(pre["imports"][m]["ok"] for m in ("megatron.core", "omegaconf", "yaml", "safetensors"))
     smoke = phases["smoke"]["measurements"]
     assert smoke["steps_logged"] == 1 and all(v > 0 for v in smoke["train/grad_norm"])
-    a, b, fp16 = (phases[n]["measurements"] for n in ("A", "B", "fp16"))
-    assert a["steps_logged"] == b["steps_logged"] == fp16["steps_logged"] == 2
+    a, b, fp16, shadow = (phases[n]["measurements"] for n in ("A", "B", "fp16", "shadow"))
+    assert a["steps_logged"] == b["steps_logged"] == fp16["steps_logged"] == shadow["steps_logged"] == 2
+    # fp32 params, bf16 compute, a forced fp16 shadow: the shadow forward runs, so beta is measured (not 0)
+    assert "policy.precision.shadow_dtype=float16" in shadow["recipe"]
+    assert all(0 < v < float("inf") for v in shadow["precision/beta_abs_mean"] + shadow["precision/beta_abs_max"])
     for matched in (a, fp16):  # precision-matched: trainer and generator compute alike
         assert matched["precision/beta_abs_mean"] == [0.0, 0.0] and matched["precision/beta_abs_max"] == [0.0, 0.0]
     assert all(v > 0 for v in b["precision/beta_abs_mean"])  # fp32 trainer vs bf16 generator
     assert all(v > 1 for v in fp16["train/loss_scale"])  # fp16: Megatron's dynamic loss scaler is on
-    for run in (a, b, fp16):
+    for run in (a, b, fp16, shadow):
         assert all(t > 0 for t in run["time/step_s"]) and run["step_s_mean_after_first"] > 0
         for key in ("clip/phantom_region_fraction", "clip/phantom_zero_grad_fraction", "clip/legit_zero_grad_fraction"):
             assert all(0.0 <= v <= 1.0 for v in run[key]), key
@@ -146,11 +151,37 @@ def test_gpu_check_dry_run_trains_runs_a_and_b(tmp_path):
     assert not any(n.startswith(f"{p} (") for n in results["not_measured"] for p in PHASES)  # every phase ran
 
 
+
+def test_gpu_check_shadow_phase_forces_a_shadow_and_needs_a_finite_nonzero_beta():
+    """The shadow phase: run A's recipe (fp32 params, bf16 compute and generator) with an fp16 shadow, so the
+    shadow forward runs; its beta must be finite and > 0 (A's and fp16's 0 holds with no shadow at all).
+    fp16, the only loss-scaling run, comes before B (the last phase is the first one skipped)."""
+    import gpu_check as gc
+    from megatron_grpo.config.recipe import load_recipe
+
+    cfg = load_recipe(os.path.join(ROOT, gc.RUNS["shadow"]), gc.RUN_OVERRIDES["shadow"])
+    p = cfg.policy.precision
+    assert (p.params_dtype, p.compute_dtype, p.generation_dtype, p.shadow_dtype) == \
+        ("float32", "bfloat16", "bfloat16", "float16") and p.needs_shadow
+    assert not load_recipe(os.path.join(ROOT, gc.RUNS["A"]), []).policy.precision.needs_shadow
+    assert gc.PHASES.index("A") < gc.PHASES.index("shadow") < gc.PHASES.index("fp16") < gc.PHASES.index("B")
+
+    def run(beta):
+        finite = [b for b in beta if b == b]
+        return {"steps_logged": 2, "steps_planned": 2, "time/step_s": [1.0, 1.0], "loss/policy": [0.1, 0.2],
+                "precision/beta_abs_mean": beta, "precision/beta_abs_max": beta,
+                "precision/beta_abs_mean:mean": sum(finite) / len(finite) if finite else None}
+
+    assert gc.run_errors("shadow", run([1e-3, 2e-3])) == [] and gc.run_errors("A", run([0.0, 0.0])) == []
+    assert "must have beta finite and > 0" in gc.run_errors("shadow", run([0.0, 0.0]))[0]
+    assert gc.run_errors("shadow", run([1e-3, float("nan")]))  # a NaN shadow step fails too
+    assert "exactly 0" in gc.run_errors("A", run([1e-3, 0.0]))[0]
+
 def test_gpu_check_phase_runner_records_each_phase_atomically(tmp_path):
     """The phase runner without training: the JSON on disk before, during and after each phase; failed
     (with the measurements, NaN included) / skipped (not selected, over budget, its estimate raised by
     an earlier run of its group) / a crash; an interrupt leaves a valid JSON naming the killed phase."""
-    import gpu_check_runner as runner
+    from megatron_grpo.observe import phases as runner
 
     path = str(tmp_path / "gpu_check.json")
     now = [0.0]
@@ -181,7 +212,7 @@ def test_gpu_check_phase_runner_records_each_phase_atomically(tmp_path):
              runner.PhaseSpec("run2", phase("run2", 1, {}), 10, "r2 things", group="run")]
     selected = ["pre", "bad", "huge", "crash", "run1", "run2"]
     results = runner.run_phases(specs, selected, 100.0, path, {"mode": "test"}, lambda r: ["machine note"],
-                                clock=lambda: now[0])
+                                clock=lambda: now[0], unselected="not in --phases (GPU_CHECK_PHASES)")
     assert [c[0] for c in calls] == ["pre", "bad", "crash", "run1"]  # huge and run2 never started
     # timeout 3 x estimate 10; the phases left out by --phases are known as skipped from the start
     assert calls[0] == ("pre", 30.0, "pre", {s.name: "skipped" if s.name == "unselected" else "not_run" for s in specs})
@@ -223,7 +254,7 @@ def test_gpu_check_json_writer_and_phase_selection(tmp_path):
     """write_json_atomic leaves the old file whole when a write fails midway; --phases / GPU_CHECK_PHASES
     pick a subset (preflight always) and name the valid phases on a typo, also through gpu_check.sh."""
     import gpu_check as gc
-    from gpu_check_runner import write_json_atomic
+    from megatron_grpo.observe.phases import write_json_atomic
 
     path = tmp_path / "gpu_check.json"
     write_json_atomic(str(path), {"phase": "one", "x": float("inf")})
@@ -239,7 +270,7 @@ def test_gpu_check_json_writer_and_phase_selection(tmp_path):
 
     assert gc.parse_phases("") == list(gc.PHASES)
     assert gc.parse_phases("beta, smoke") == ["preflight", "smoke", "beta"]
-    with pytest.raises(ValueError, match="unknown phase.*gamma.*valid: preflight,smoke,beta,A,B,fp16"):
+    with pytest.raises(ValueError, match="unknown phase.*gamma.*valid: preflight,smoke,beta,A,shadow,fp16,B"):
         gc.parse_phases("beta,gamma")
     env = dict(os.environ, GPU_CHECK_DRY="1", PYTHON=sys.executable, GPU_CHECK_PHASES="beta,gamma",
                GPU_CHECK_WORK=str(tmp_path / "work"))
@@ -250,8 +281,8 @@ def test_gpu_check_json_writer_and_phase_selection(tmp_path):
 
 
 def test_gpu_check_without_megatron_or_its_wheel_fails_with_a_json_naming_the_wheel(tmp_path):
-    """The device's bare Python (no megatron-core, packaging or omegaconf) and no wheels carried: the shell stage
-    fails before any phase, naming the missing wheel and the folder, and still leaves gpu_check.json."""
+    """The device's bare Python (no numpy, megatron-core, packaging or omegaconf) and no wheels carried: the shell
+    stage fails before any phase, naming every missing wheel and the folder, and still leaves gpu_check.json."""
     bare = tmp_path / "bare"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(bare)], check=True, timeout=120)
     env = dict(os.environ, PYTHON=str(bare / "bin" / "python"), GPU_CHECK_WHEELS=str(tmp_path / "no-wheels"))
@@ -260,8 +291,10 @@ def test_gpu_check_without_megatron_or_its_wheel_fails_with_a_json_naming_the_wh
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
     assert f"megatron_core is not installed and {tmp_path}/no-wheels/megatron_core-*.whl is missing" in proc.stderr
+    assert f"numpy is not installed and {tmp_path}/no-wheels/numpy-*.whl is missing" in proc.stderr  # brought too
     result = json.loads((tmp_path / "out" / "gpu_check.json").read_text())
     assert result["ok"] is False and result["stage"] == "shell" and "megatron_core" in result["error"]
+    assert "numpy" in result["error"]
     assert result["not_measured"][0].startswith("every phase: the shell stage failed")
     assert os.listdir(tmp_path / "out") == ["gpu_check.json"]
 
@@ -270,14 +303,13 @@ def test_gpu_check_preflight_names_each_problem(tmp_path, monkeypatch):
     """preflight in GPU mode on this CPU machine: the missing CUDA device, a failing import (with the wheels
     gpu_check.sh installed), too little disk and the absent TE are each reported by name."""
     import gpu_check
-    import gpu_check_measure as measure
     import torch
 
-    monkeypatch.setattr(measure, "IMPORTS", ("yaml", "no_such_module_for_gpu_check"))  # megatron.core: the dry run
-    monkeypatch.setattr(measure, "MIN_FREE_GIB", {"gpu": 1e9, "dry": 0.0})
+    monkeypatch.setattr(gpu_check, "IMPORTS", ("yaml", "no_such_module_for_gpu_check"))  # megatron.core: the dry run
+    monkeypatch.setattr(gpu_check, "MIN_FREE_GIB", {"gpu": 1e9, "dry": 0.0})
     monkeypatch.setenv("GPU_CHECK_INSTALLED", "omegaconf-2.4.0-py3-none-any.whl ")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # also on a machine with a GPU
-    info = measure.preflight_info(str(tmp_path), str(tmp_path), dry=False)
+    info = gpu_check.preflight_info(str(tmp_path), str(tmp_path), dry=False)
     problems = "\n".join(info["problems"])
     assert len(info["problems"]) == 3, problems
     assert "no CUDA device visible to torch" in problems and "GPU_CHECK_DRY=1" in problems
@@ -288,6 +320,6 @@ def test_gpu_check_preflight_names_each_problem(tmp_path, monkeypatch):
     assert info["imports"]["yaml"]["ok"] and info["transformer_engine"]["usable"] is False
     notes = gpu_check.machine_notes("gpu")({"phases": {"preflight": {"measurements": info}}})
     assert any(n.startswith("Transformer Engine GEMMs: ") for n in notes)
-    assert measure.preflight_info(str(tmp_path), str(tmp_path), dry=True)["problems"] == [
+    assert gpu_check.preflight_info(str(tmp_path), str(tmp_path), dry=True)["problems"] == [
         "import no_such_module_for_gpu_check failed: ModuleNotFoundError: No module named "
         "'no_such_module_for_gpu_check' (installed from ./wheels: omegaconf-2.4.0-py3-none-any.whl)"]

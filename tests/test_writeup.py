@@ -14,12 +14,13 @@ sys.path.insert(0, os.path.join(ROOT, "tools"))
 
 import writeup  # noqa: E402
 
+from megatron_grpo.observe import experiments  # noqa: E402
+
 
 def test_every_grid_run_is_a_valid_config_with_its_lr_and_variant():
-    import sweep
     from megatron_grpo.config.recipe import load_recipe
 
-    grid = sweep.GRIDS["writeup-pretrained"]
+    grid = writeup.grid()
     assert len(grid) == len(writeup.LRS) * (len(writeup.VARIANTS) + len(writeup.FAMILIES))
     cfg = load_recipe(os.path.join(ROOT, writeup.RECIPE), grid["G-lr0.0003"])
     assert (cfg.loss_fn.ratio, cfg.policy.precision.shadow_dtype, cfg.policy.megatron_cfg.optimizer.lr) == \
@@ -94,12 +95,11 @@ def test_eps_is_the_writeups_unless_the_measured_gap_is_smaller():
 
 
 def test_staged_sweep_probes_eps_scans_lr_then_runs_table_and_families(tmp_path, monkeypatch):
-    """``tools/sweep.py --grid writeup-pretrained`` with the training runs replaced by recorded metrics."""
-    import sweep
-
+    """``tools/writeup.py`` (``tools/sweep.py --grid writeup-pretrained``) with the training runs replaced by
+    recorded metrics."""
     calls = []
 
-    def fake_run(cmd, log_dir, steps):
+    def fake_run(cmd, log_dir, steps, cwd=None):
         run = os.path.basename(os.path.dirname(log_dir))
         calls.append((run, cmd))
         good = run.startswith("A-") or "lr0.0003" in run  # B stalls at lr 1e-4 only: the table lr is 1e-4
@@ -107,11 +107,10 @@ def test_staged_sweep_probes_eps_scans_lr_then_runs_table_and_families(tmp_path,
             t, **{"precision/beta_std": 0.0149, "reward/mean": -5.0 if good else -15.0}) for t in range(1, steps + 1)])
         return True
 
-    monkeypatch.setattr(sweep, "run_one", fake_run)
-    monkeypatch.setattr(writeup, "ensure_model", lambda: None)
+    monkeypatch.setattr(experiments, "run_one", fake_run)
+    monkeypatch.setattr(experiments, "ensure_pretrained_model", lambda root: None)
     out = str(tmp_path / "sweep")
-    assert sweep.main(["--grid", "writeup-pretrained", "--out", out, "--seeds", "0", "1", "--scan-lrs", "1e-4", "3e-4",
-                       "--family-seeds", "0"]) == 0
+    assert writeup.main(["--out", out, "--seeds", "0", "1", "--scan-lrs", "1e-4", "3e-4", "--family-seeds", "0"]) == 0
     runs = [r for r, _ in calls]
     probe = " ".join(calls[0][1])  # the gap probe first: run B, 2 steps, its own folder
     assert runs[0] == "B-lr0.0001" and "_gap-probe" in probe and "grpo.max_num_steps=2" in probe
@@ -132,10 +131,9 @@ import writeup_regime as regime  # noqa: E402
 
 
 def test_regime_grid_is_valid_megatron_synchronous_configs_and_matches_the_preregistration():
-    import sweep
     from megatron_grpo.config.recipe import load_recipe
 
-    grid, prereg = sweep.GRIDS["writeup-regime"], open(os.path.join(ROOT, regime.PREREG)).read()
+    grid, prereg = regime.grid(), open(os.path.join(ROOT, regime.PREREG)).read()
     assert set(grid) == {r for runs, _, _ in regime.STAGES.values() for r in runs}
     for run, overrides in grid.items():
         cfg = load_recipe(os.path.join(ROOT, writeup.RECIPE), regime.eps_overrides(0.0123) + overrides)
@@ -210,18 +208,17 @@ def test_decision_rule_reproduced_not_reproduced_inconclusive():
 
 
 def test_regime_sweep_stops_at_failed_gates_and_runs_main_and_dose_when_they_pass(tmp_path, monkeypatch):
-    """``tools/sweep.py --grid writeup-regime`` with the training runs replaced by recorded metrics."""
+    """``tools/writeup_regime.py`` (``tools/sweep.py --grid writeup-regime``) with the training runs replaced
+    by recorded metrics."""
     import json
     import pathlib
     import random
 
-    import sweep
-
     calls, phantom = [], {"value": 0.05}
 
-    def fake_run(cmd, log_dir, steps):
+    def fake_run(cmd, log_dir, steps, cwd=None):
         run, seed = os.path.basename(os.path.dirname(log_dir)), int(os.path.basename(log_dir)[4:])
-        if len(writeup.read_rows(log_dir)) >= steps:  # as run_one: a complete run is reused
+        if len(experiments.read_rows(log_dir)) >= steps:  # as run_one: a complete run is reused
             return True
         calls.append((run, " ".join(cmd)))
         mismatched = run not in ("A", "probe-A")
@@ -241,10 +238,10 @@ def test_regime_sweep_stops_at_failed_gates_and_runs_main_and_dose_when_they_pas
                       open(os.path.join(path, "tokens_step1.json"), "w"))
         return True
 
-    monkeypatch.setattr(sweep, "run_one", fake_run)
-    monkeypatch.setattr(writeup, "ensure_model", lambda: None)
+    monkeypatch.setattr(experiments, "run_one", fake_run)
+    monkeypatch.setattr(experiments, "ensure_pretrained_model", lambda root: None)
     out = str(tmp_path / "regime")
-    assert sweep.main(["--grid", "writeup-regime", "--out", out]) == 1  # phantom 0.05: gate 3 fails
+    assert regime.main(["--out", out]) == 1  # phantom 0.05: gate 3 fails
     assert [r for r, _ in calls] == ["scout-B", "probe-A", "probe-B"]
     eps = json.load(open(os.path.join(out, "regime.json")))["eps_choice"]["eps"]
     assert f"loss_fn.ratio_clip_max={eps:.4g}" in calls[2][1] and "token_dump_steps" in calls[0][1]
@@ -256,7 +253,7 @@ def test_regime_sweep_stops_at_failed_gates_and_runs_main_and_dose_when_they_pas
     phantom["value"] = 0.15
     for probe in ("probe-A", "probe-B"):
         os.remove(os.path.join(out, "gates", probe, "seed0", "metrics.jsonl"))
-    assert sweep.main(["--grid", "writeup-regime", "--out", out]) == 0
+    assert regime.main(["--out", out]) == 0
     runs = [r for r, _ in calls]
     assert runs[:2] == ["probe-A", "probe-B"] and runs[2:10] == ["A", "B"] * 4  # the scout is reused
     assert runs[10:] == ["F", "B-dose15", "B-dose30"] * 3
@@ -279,3 +276,17 @@ def test_regime_sweep_stops_at_failed_gates_and_runs_main_and_dose_when_they_pas
     assert os.path.isfile(tmp_path / "raw" / "main" / "B" / "seed3" / "metrics.jsonl")
     assert os.path.isfile(tmp_path / "raw" / "probe" / "scout-B" / "seed0" / "tokens_step1.json")
     assert "reproduced" in open(tmp_path / "doc.md").read()
+
+
+def test_sweep_hands_the_staged_grids_to_their_tools(monkeypatch):
+    """``tools/sweep.py --grid writeup-pretrained|writeup-regime`` runs that tool with every other argument."""
+    import sweep
+
+    seen = []
+    monkeypatch.setattr(sweep.subprocess, "call", lambda cmd, cwd: seen.append((cmd, cwd)) or 0)
+    assert sweep.main(["--grid", "writeup-regime", "--out", "x", "--stage", "probe"]) == 0
+    assert sweep.main(["--out", "y", "--grid", "writeup-pretrained", "--seeds", "0", "1"]) == 0
+    assert [c[1:] for c, _ in seen] == [[os.path.join(ROOT, "tools", "writeup_regime.py"), "--out", "x", "--stage",
+                                         "probe"],
+                                        [os.path.join(ROOT, "tools", "writeup.py"), "--out", "y", "--seeds", "0", "1"]]
+    assert {cwd for _, cwd in seen} == {ROOT}

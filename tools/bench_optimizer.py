@@ -54,6 +54,31 @@ def _bytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
+def _timed_syncs(model, config):
+    """Times the gradient sync (``finalize_model_grads_func``: one entry per step) and the distributed
+    optimizer's all-gather of the updated params (summed into ``gather[0]``); returns ``(sync_times, gather)``."""
+    import torch.distributed as dist
+
+    finalize, sync_times = config.finalize_model_grads_func, []
+
+    def timed_finalize(*a, **k):
+        dist.barrier()
+        start = time.perf_counter()
+        finalize(*a, **k)
+        sync_times.append(time.perf_counter() - start)
+
+    config.finalize_model_grads_func = timed_finalize
+    param_sync, gather = model.start_param_sync, [0.0]
+
+    def timed_param_sync(*a, **k):  # the distributed optimizer's all-gather of the updated params
+        start = time.perf_counter()
+        param_sync(*a, **k)
+        gather[0] += time.perf_counter() - start
+
+    model.start_param_sync = timed_param_sync
+    return sync_times, gather
+
+
 def bench_mode(model_dir: str, mode: str, args) -> dict:
     """This rank's bytes and median times for one optimizer."""
     import torch
@@ -74,24 +99,7 @@ def bench_mode(model_dir: str, mode: str, args) -> dict:
     model = wrap_model(build_from_hf(model_dir, params_dtype=getattr(torch, dtype))[0], cfg)
     optimizer = Optimizer(model, cfg)
     step = TrainStep(model, optimizer, cfg, ps.get_tensor_model_parallel_group(), ps.get_data_parallel_group())
-    config = unwrap(model).config
-    finalize, sync_times = config.finalize_model_grads_func, []
-
-    def timed_finalize(*a, **k):
-        dist.barrier()
-        start = time.perf_counter()
-        finalize(*a, **k)
-        sync_times.append(time.perf_counter() - start)
-
-    config.finalize_model_grads_func = timed_finalize
-    param_sync, gather = model.start_param_sync, [0.0]
-
-    def timed_param_sync(*a, **k):  # the distributed optimizer's all-gather of the updated params
-        start = time.perf_counter()
-        param_sync(*a, **k)
-        gather[0] += time.perf_counter() - start
-
-    model.start_param_sync = timed_param_sync
+    sync_times, gather = _timed_syncs(model, unwrap(model).config)
     batch = _batch(args.vocab, args.rows, args.seq, ps.get_data_parallel_rank(), ps.get_data_parallel_world_size())
     fwd_bwd, opt_times, gather_times = [], [], []
     for i in range(1 + args.repeats):

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import tempfile
 import time
 
 import torch
@@ -117,18 +116,6 @@ def bench_transformers(model_dir, prompts, n, max_tokens, dtype):
     return (out.shape[1] - width) * out.shape[0] / seconds
 
 
-def make_model(args) -> str:
-    from megatron_grpo.models.tiny import make_tiny_model
-
-    overrides = {}
-    if args.hidden:
-        overrides.update(hidden_size=args.hidden, intermediate_size=3 * args.hidden, num_attention_heads=args.hidden // 64,
-                         num_key_value_heads=max(1, args.hidden // 256), head_dim=64)
-    if args.layers:
-        overrides["num_hidden_layers"] = args.layers
-    return make_tiny_model(tempfile.mkdtemp(prefix="bench-rollout-"), "qwen3", overrides=overrides or None)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model", default=None, help="HF checkpoint dir (default: a fresh tiny Qwen3)")
@@ -142,7 +129,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="pushes timed per engine count (median)")
     parser.add_argument("--skip-transformers", action="store_true")
     args = parser.parse_args()
-    model_dir = args.model or make_model(args)
+
+    from megatron_grpo.models.tiny import make_sized_model
+
+    model_dir = args.model or make_sized_model(args.hidden, args.layers, prefix="bench-rollout-")
     dtype = getattr(torch, args.dtype)
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(5, 1000, (int(torch.randint(4, 12, (1,), generator=gen)),), generator=gen).tolist()

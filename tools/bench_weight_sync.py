@@ -108,11 +108,10 @@ def main() -> None:
     args = parser.parse_args()
 
     from megatron_grpo.models import build_from_hf
+    from megatron_grpo.models.tiny import make_sized_model
     from megatron_grpo.parallel import state
 
-    from bench_rollout import make_model  # tools/ is on sys.path when run as a script
-
-    model_dir = args.model or make_model(args)
+    model_dir = args.model or make_sized_model(args.hidden, args.layers, prefix="bench-weight-sync-")
     dtype = getattr(torch, args.dtype)
     state.initialize_model_parallel(state.Layout(world_size=1))
     model, shape = build_from_hf(model_dir)

@@ -30,6 +30,8 @@ import sys
 import tempfile
 import time
 
+from megatron_grpo.observe.experiments import read_rows
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 5
 VOLATILE = ("time/", "timing/", "sync/push_s", "sync/logprob_diff_vs_baseline")
@@ -50,13 +52,6 @@ def _cmd(args, log_dir, nproc=1):
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "-m", "megatron_grpo"]
     return launcher + ["train", "recipes/grpo-tiny-eos-cpu.yaml", f"logger.log_dir={log_dir}",
                        "logger.progress_bar=false", f"grpo.max_num_steps={STEPS}"] + list(args)
-
-
-def read_rows(log_dir):
-    from megatron_grpo.observe.metrics_logger import read_metrics_rows
-
-    path = os.path.join(log_dir, "metrics.jsonl")
-    return read_metrics_rows(path) if os.path.isfile(path) else []
 
 
 def run(args, log_dir, env_extra=None, nproc=1):

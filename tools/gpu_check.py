@@ -1,6 +1,8 @@
 """Body of ``tools/gpu_check.sh``: the one-H200 check, in named phases, through the real trainer.
 
     python tools/gpu_check.py --out OUT [--dry] [--work DIR] [--budget SECONDS] [--phases a,b,...]
+    python tools/gpu_check.py preflight --json PATH --work DIR --out DIR [--dry]      # the child processes
+    python tools/gpu_check.py beta --json PATH --model DIR [--seqs N] [--seq-len N]
 
 Phases, in this order (``--phases`` picks a subset; ``preflight`` always runs first):
 
@@ -13,16 +15,18 @@ Phases, in this order (``--phases`` picks a subset; ``preflight`` always runs fi
 - ``beta``: the fp32-vs-bf16 and fp32-vs-fp16 log-prob gaps of the Qwen3-0.6B-shaped model by
   rarity bucket (the trainer's forward), plus each precision's own error against an fp64 forward
   of the same weights (|lp_fp32 - lp_fp64| ~1e-6, |lp_bf16 - lp_fp64| ~1e-2).
-- ``A``, ``B``, ``fp16``: ``python -m megatron_grpo train`` (the real loop, ``generation.backend=
-  megatron``: the trainer's own model generates, no vLLM) with recipes/grpo-qwen3-0.6b-eos-A.yaml
-  (bf16 autocast trainer + bf16 generator: beta = 0 exactly), -B.yaml (fp32 trainer vs bf16
-  generator: beta > 0, the write-up's mismatch) and -fp16.yaml (fp16 trainer + fp16 generator with
-  dynamic loss scaling: beta = 0 exactly).
+- ``A``, ``shadow``, ``fp16``, ``B``: ``python -m megatron_grpo train`` (the real loop, ``generation.backend=
+  megatron``: the trainer's own model generates, no vLLM) with recipes/grpo-qwen3-0.6b-eos-A.yaml (bf16
+  autocast trainer + bf16 generator: no shadow forward, beta = 0 exactly), the same with a forced fp16
+  shadow (``policy.precision.shadow_dtype=float16``, 2 steps: fp32 params, bf16 compute, fp16 shadow:
+  beta finite and > 0, the shadow forward measured), -fp16.yaml (fp16 trainer + fp16 generator with dynamic loss
+  scaling: beta = 0 exactly) and -B.yaml (fp32 trainer vs bf16 generator: beta > 0, the write-up's
+  mismatch). fp16 runs before B: the last phase is the first one skipped when time runs short.
 
 The model is a random-init checkpoint of the Qwen3-0.6B shape written with torch + safetensors alone
-(no transformers, no tokenizer: token-id prompts). ``gpu_check_measure.py`` holds the checkpoint writer
-and the preflight / beta measurements (run as child processes), ``gpu_check_runner.py`` the phase runner
-(budget, atomic JSON, child processes); this file the phases, their checks and the report.
+(``megatron_grpo.models.random_checkpoint``: no transformers, no tokenizer: token-id prompts). The
+preflight and beta measurements run in child processes (``python tools/gpu_check.py preflight|beta ...``);
+the phase runner (budget, atomic JSON, child processes) is ``megatron_grpo.observe.phases``.
 
 ``OUT/gpu_check.json`` is rewritten atomically (temp file in OUT, fsync, ``os.replace``) before and
 after each phase: each phase's status (``ok`` / ``failed`` + reason / ``skipped`` + why /
@@ -48,21 +52,32 @@ import tempfile
 import time
 from typing import Callable, Dict, List, Optional, Sequence
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gpu_check_measure import ROOT, STOP_EVERY, model_config, write_random_qwen3  # noqa: E402
-from gpu_check_runner import Child, PhaseFailed, PhaseSpec, fmt_value, phase_line, run_phases  # noqa: E402
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+from megatron_grpo.models.random_checkpoint import STOP_EVERY, write_random_qwen3  # noqa: E402
+from megatron_grpo.observe.machine import device_info, disk_info, import_probe, optional_probe  # noqa: E402
+from megatron_grpo.observe.phases import Child, PhaseFailed, PhaseSpec, fmt_value, run_phases  # noqa: E402
+from megatron_grpo.observe.phases import phase_line as _phase_line  # noqa: E402
 
-MEASURE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu_check_measure.py")
+QWEN3_0_6B_CONFIG = os.path.join(ROOT, "recipes", "model_configs", "qwen3-0.6b", "config.json")
 DRY_SHAPE = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=32, max_position_embeddings=1024, eos_token_id=511,
                  bos_token_id=510)
 """The tiny model (smoke; every phase with --dry): the Qwen3-0.6B config with these keys replaced
 (~0.13M params: emulated bf16 on CPU is slow); heads x head_dim = 2 x hidden, as in Qwen3-0.6B."""
-PHASES = ("preflight", "smoke", "beta", "A", "B", "fp16")
-RUNS = {"A": "recipes/grpo-qwen3-0.6b-eos-A.yaml", "B": "recipes/grpo-qwen3-0.6b-eos-B.yaml",
-        "fp16": "recipes/grpo-qwen3-0.6b-eos-fp16.yaml"}
+PHASES = ("preflight", "smoke", "beta", "A", "shadow", "fp16", "B")
+"""fp16 (the only loss-scaling run) before B: the last phase is the first one skipped when time runs short."""
+RUNS = {"A": "recipes/grpo-qwen3-0.6b-eos-A.yaml", "shadow": "recipes/grpo-qwen3-0.6b-eos-A.yaml",
+        "fp16": "recipes/grpo-qwen3-0.6b-eos-fp16.yaml", "B": "recipes/grpo-qwen3-0.6b-eos-B.yaml"}
+RUN_OVERRIDES = {"shadow": ["policy.precision.shadow_dtype=float16"]}
+"""shadow: run A (fp32 params, bf16 compute and generator) with a forced fp16 shadow forward."""
+RUN_STEPS = {"shadow": 2}
+"""Steps of a run when fewer than RUN_SIZE's (beta is measured on every step: 2 show it, and leave time for B)."""
 BETA_ZERO_RUNS = ("A", "fp16")
-"""Precision-matched runs (trainer compute dtype = generator dtype): beta must be exactly 0."""
+"""Precision-matched runs (trainer compute dtype = generator dtype, no shadow forward): beta exactly 0."""
+BETA_POSITIVE_RUNS = ("shadow", "B")
+"""Runs whose shadow forward differs from the trainer's: beta finite on every step, > 0 on average."""
 RUN_SIZE = {  # steps, prompts per step, generations per prompt, max new tokens; beta: sequences x length
     # gpu: the megatron engine draws each row's sampling noise on the host (vocab 151936 per row and
     # token), so generation dominates; 8 x 8 rollouts of <= 48 tokens keep A, B and fp16 inside the limit.
@@ -73,16 +88,17 @@ SMOKE_SIZE = dict(steps=1, prompts=2, generations=4, max_new_tokens=8)
 ESTIMATE_S = {
     # What a phase is expected to take: it is skipped when this does not fit the remaining budget. After
     # a training run, the later runs are estimated at least at its measured time.
-    "gpu": dict(preflight=20, smoke=45, beta=75, A=100, B=100, fp16=100),
-    "dry": dict(preflight=20, smoke=35, beta=35, A=45, B=45, fp16=50),
+    "gpu": dict(preflight=20, smoke=45, beta=75, A=100, shadow=60, fp16=100, B=100),
+    "dry": dict(preflight=20, smoke=35, beta=35, A=45, shadow=45, fp16=50, B=45),
 }
 MEASURES = {
     "preflight": "versions, device, free disk, installed wheels, imports",
     "smoke": "one bf16 train step (forward, backward, optimizer) of a tiny model on the device",
     "beta": "fp32-vs-bf16/fp16 log-prob gaps and each precision's error vs fp64, by rarity bucket",
     "A": "run A: bf16 trainer + bf16 generator (beta must be 0), phantom clipping, step times",
-    "B": "run B: fp32 trainer vs bf16 generator (beta > 0), phantom clipping, step times",
+    "shadow": "run A with a forced fp16 shadow (fp32 params, bf16 compute): beta finite and > 0, step times",
     "fp16": "run fp16: fp16 trainer + fp16 generator (beta must be 0), loss scaling, step times",
+    "B": "run B: fp32 trainer vs bf16 generator (beta > 0), phantom clipping, step times",
 }
 FP32_VS_FP64_MAX = 1e-4
 """beta phase: mean |lp_fp32 - lp_fp64| above this means the fp32 path is not true fp32 (TF32 on?)."""
@@ -92,6 +108,76 @@ METRICS = ("precision/beta_abs_mean", "precision/beta_abs_max", "precision/beta_
            "clip/zero_grad_fraction", "clip/phantom_zero_grad_fraction", "clip/legit_zero_grad_fraction",
            "loss/policy", "train/grad_norm", "train/loss_scale", "train/skipped_overflow",
            "reward/mean", "completion/length_mean", "time/step_s", "timing/generate_s", "timing/train_s")
+
+
+IMPORTS = ("megatron.core", "omegaconf", "yaml", "safetensors", "megatron_grpo")
+"""What preflight imports: the train path's needs beyond torch (gpu_check.sh installs them from ./wheels)."""
+MIN_FREE_GIB = {"gpu": 3.0, "dry": 0.2}
+"""Free disk the work dir needs (the bf16 0.6B checkpoint is 1.2 GB)."""
+TAG = "gpu_check"
+UNSELECTED = "not in --phases (GPU_CHECK_PHASES)"
+phase_line = functools.partial(_phase_line, tag=TAG)
+
+
+# ---- the measurements the child processes run --------------------------------------------------------
+
+
+def model_config(overrides: Optional[Dict] = None) -> Dict:
+    """The Qwen3-0.6B config.json with ``overrides``."""
+    with open(QWEN3_0_6B_CONFIG) as f:
+        return dict(json.load(f), **(overrides or {}), torch_dtype="bfloat16")
+
+
+def preflight_info(work: str, out: str, dry: bool) -> Dict:
+    """Everything the later phases rely on; ``problems`` lists what makes them pointless."""
+    mode = "dry" if dry else "gpu"
+    info: Dict = {"python": sys.version.split()[0], "executable": sys.executable, "problems": [],
+                  "wheels_installed": os.environ.get("GPU_CHECK_INSTALLED", "").split()}
+    try:
+        info.update(device_info())
+    except Exception as exc:  # noqa: BLE001
+        info["problems"].append(f"torch is not usable by {sys.executable}: {type(exc).__name__}: {exc}")
+        return info
+    if not dry and not info["cuda_available"]:
+        info["problems"].append(f"no CUDA device visible to torch {info['torch']} (built for CUDA "
+                                f"{info['torch_cuda']}); GPU_CHECK_DRY=1 runs the CPU dry run")
+    info.update(disk_info({"work": work, "out": out, "dev_shm": "/dev/shm"}))
+    if (info["work_free_gib"] or 0.0) < MIN_FREE_GIB[mode]:
+        info["problems"].append(f"only {info['work_free_gib']:.2f} GiB free in the work dir {work} "
+                                f"(needs {MIN_FREE_GIB[mode]} GiB; set GPU_CHECK_WORK)")
+    info["imports"] = {m: import_probe(m) for m in IMPORTS}
+    for module, probe in info["imports"].items():
+        if not probe["ok"]:
+            info["problems"].append(f"import {module} failed: {probe['error']} (installed from ./wheels: "
+                                    f"{', '.join(info['wheels_installed']) or 'none'})")
+    info["transformer_engine"] = optional_probe("transformer_engine", "transformer_engine.pytorch",
+                                                info["cuda_available"])
+    info["vllm"] = optional_probe("vllm", "vllm", info["cuda_available"])
+    return info
+
+
+def child_main(argv: List[str]) -> int:
+    """``preflight ...`` / ``beta ...``: the measurements the phases run in child processes (JSON to --json)."""
+    parser = argparse.ArgumentParser(prog=f"gpu_check.py {argv[0]}")
+    parser.add_argument("--json", required=True)
+    if argv[0] == "preflight":
+        parser.add_argument("--work", required=True)
+        parser.add_argument("--out", required=True)
+        parser.add_argument("--dry", action="store_true")
+        args = parser.parse_args(argv[1:])
+        result = preflight_info(args.work, args.out, args.dry)
+    else:
+        parser.add_argument("--model", required=True)
+        parser.add_argument("--seqs", type=int, default=16)
+        parser.add_argument("--seq-len", type=int, default=256)
+        args = parser.parse_args(argv[1:])
+        from megatron_grpo.loss.metrics import COMMON_LOGPROB, RARE_LOGPROB  # the child's own imports: megatron
+        from megatron_grpo.models.precision_gaps import measure_precision_gaps
+
+        result = measure_precision_gaps(args.model, args.seqs, args.seq_len, COMMON_LOGPROB, RARE_LOGPROB)
+    with open(args.json, "w") as f:
+        json.dump(result, f, indent=1)
+    return 0
 
 
 # ---- the phases ----------------------------------------------------------------------------------------
@@ -118,20 +204,20 @@ class Context:
         path = os.path.join(self.work, name)
         if name not in self.models:
             start = time.perf_counter()
-            write_random_qwen3(path, DRY_SHAPE if tiny else None)
+            write_random_qwen3(path, model_config(DRY_SHAPE if tiny else None))
             self.models[name] = {"dir": path, "write_s": time.perf_counter() - start}
             print(f"gpu_check: wrote {path} in {self.models[name]['write_s']:.1f} s", flush=True)
         return path
 
     def child(self, name: str, cmd: List[str], timeout_s: float) -> Child:
-        child = Child(name, cmd, os.path.join(self.work, f"{name}.log"), self.env, timeout_s, cwd=ROOT)
+        child = Child(name, cmd, os.path.join(self.work, f"{name}.log"), self.env, timeout_s, cwd=ROOT, tag=TAG)
         child.run()
         child.check()
         return child
 
     def measure(self, sub: str, *args: str) -> List[str]:
-        """The command line of a ``gpu_check_measure.py`` child."""
-        return [sys.executable, MEASURE, sub, *args]
+        """The command line of a measurement child: this script with ``sub`` (preflight / beta)."""
+        return [sys.executable, os.path.abspath(__file__), sub, *args]
 
 
 def phase_preflight(ctx: Context, timeout_s: float) -> Dict:
@@ -187,21 +273,23 @@ def run_overrides(model_dir: str, log_dir: str, size: Dict) -> List[str]:
 
 
 def train_run(ctx: Context, name: str, recipe: str, model_dir: str, size: Dict, timeout_s: float) -> Dict:
-    """``python -m megatron_grpo train RECIPE`` for ``size['steps']`` steps; its metrics summary (the
-    metrics file is copied to OUT/run_NAME.metrics.jsonl, also when the run failed)."""
+    """``python -m megatron_grpo train RECIPE`` (+ ``RUN_OVERRIDES[name]``) for ``size['steps']`` steps; its
+    metrics summary (the metrics file is copied to OUT/run_NAME.metrics.jsonl, also when the run failed)."""
     log_dir = os.path.join(ctx.work, f"run_{name}")
     shutil.rmtree(log_dir, ignore_errors=True)
     metrics = os.path.join(log_dir, "metrics.jsonl")
     cmd = [sys.executable, "-m", "megatron_grpo", "train", recipe] + run_overrides(model_dir, log_dir, size)
+    cmd += RUN_OVERRIDES.get(name, [])
+    label = " ".join([recipe] + RUN_OVERRIDES.get(name, []))
     try:
         ctx.child(f"run_{name}", cmd, timeout_s)
     except PhaseFailed as exc:
-        exc.measurements = dict(summarize_run(metrics, size["steps"]), recipe=recipe)
+        exc.measurements = dict(summarize_run(metrics, size["steps"]), recipe=label)
         raise
     finally:
         if os.path.isfile(metrics):
             shutil.copyfile(metrics, os.path.join(ctx.out, f"run_{name}.metrics.jsonl"))
-    return dict(summarize_run(metrics, size["steps"]), recipe=recipe)
+    return dict(summarize_run(metrics, size["steps"]), recipe=label)
 
 
 def summarize_run(metrics_path: str, steps: int) -> Dict:
@@ -226,7 +314,8 @@ def _finite(values: Sequence) -> bool:
 
 def run_errors(name: str, run: Dict) -> List[str]:
     """The contract of a training run: every step logged with a finite step time > 0 and a finite loss;
-    A / fp16 (precision-matched): beta exactly 0 on every step; B: beta > 0."""
+    A / fp16 (precision-matched): beta exactly 0 on every step; shadow / B: beta finite on every step and
+    its mean > 0 (the shadow forward ran and differs from the trainer's)."""
     if run["steps_logged"] != run["steps_planned"]:
         return [f"{name}: {run['steps_logged']} of {run['steps_planned']} steps in metrics.jsonl"]
     errors = []
@@ -238,8 +327,9 @@ def run_errors(name: str, run: Dict) -> List[str]:
     if name in BETA_ZERO_RUNS and any(v != 0.0 for v in beta):
         errors.append(f"{name} (precision-matched) must have beta exactly 0 on every step, got beta_abs_mean "
                       f"{run['precision/beta_abs_mean']}, max {run['precision/beta_abs_max']}")
-    if name == "B" and not (run["precision/beta_abs_mean:mean"] or 0.0) > 0.0:
-        errors.append(f"B (fp32 trainer vs bf16 generator) must have beta > 0, got {run['precision/beta_abs_mean']}")
+    if name in BETA_POSITIVE_RUNS and not (_finite(beta) and (run["precision/beta_abs_mean:mean"] or 0.0) > 0.0):
+        errors.append(f"{name} (the shadow forward differs from the trainer's) must have beta finite and > 0, got "
+                      f"beta_abs_mean {run['precision/beta_abs_mean']}, max {run['precision/beta_abs_max']}")
     return errors
 
 
@@ -255,7 +345,8 @@ def phase_smoke(ctx: Context, timeout_s: float) -> Dict:
 
 def phase_run(name: str) -> Callable[[Context, float], Dict]:
     def run_phase(ctx: Context, timeout_s: float) -> Dict:
-        run = train_run(ctx, name, RUNS[name], ctx.model_dir(tiny=False), ctx.size, timeout_s)
+        size = dict(ctx.size, steps=min(ctx.size["steps"], RUN_STEPS.get(name, ctx.size["steps"])))
+        run = train_run(ctx, name, RUNS[name], ctx.model_dir(tiny=False), size, timeout_s)
         errors = run_errors(name, run)
         if errors:
             raise PhaseFailed("; ".join(errors), run)
@@ -388,7 +479,8 @@ def main(argv: Optional[List[str]] = None) -> int:
               "model": {"shape": {k: cfg[k] for k in shape_keys}, "models": ctx.models,
                         "stop_token_ids": f"eos {cfg['eos_token_id']} + every {STOP_EVERY}th id"}}
     json_path = os.path.join(out, "gpu_check.json")
-    results = run_phases(build_specs(ctx), selected, args.budget, json_path, header, machine_notes(ctx.mode))
+    results = run_phases(build_specs(ctx), selected, args.budget, json_path, header, machine_notes(ctx.mode),
+                         tag=TAG, unselected=UNSELECTED)
     print(report(results), flush=True)
     print(f"gpu_check: results in {json_path}", flush=True)
     failed = [phase_line(n, r) for n, r in results["phases"].items() if r["status"] == "failed"]
@@ -401,4 +493,4 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(child_main(sys.argv[1:]) if sys.argv[1:2] in (["preflight"], ["beta"]) else main())

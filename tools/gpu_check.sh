@@ -3,12 +3,13 @@
 # safetensors / pyyaml preinstalled; no megatron-core, omegaconf, TE or vLLM). Named phases, in order
 # (tools/gpu_check.py): preflight (versions, device, disk, wheels, imports; fails fast), smoke (one
 # bf16 train step of a tiny model), beta (fp32-vs-bf16/fp16 log-prob gaps by rarity bucket, and each
-# precision's error vs an fp64 forward), A (bf16 trainer + bf16 generator: beta = 0), B (fp32 trainer
-# vs bf16 generator: beta > 0) and fp16 (fp16 trainer + fp16 generator: beta = 0), each a real
+# precision's error vs an fp64 forward), A (bf16 trainer + bf16 generator: beta = 0), shadow (A with
+# a forced fp16 shadow forward: beta finite and > 0), fp16 (fp16 trainer + fp16 generator, loss
+# scaling: beta = 0) and B (fp32 trainer vs bf16 generator: beta > 0), each a real
 # `python -m megatron_grpo train` with generation.backend=megatron on a random-init Qwen3-0.6B-shaped
 # model. A phase that does not fit the remaining time is skipped (recorded), not started.
 #
-#   bash tools/fetch_gpu_wheels.sh                 # here, once (PyPI): fills ./wheels (~4 MB)
+#   bash tools/fetch_gpu_wheels.sh                 # here, once (PyPI): fills ./wheels (~21 MB)
 #   bash tools/gpu_check.sh OUT_DIR                # there, with ./wheels carried; under 8 minutes
 #   GPU_CHECK_PHASES=preflight,smoke,beta bash tools/gpu_check.sh OUT_DIR   # a subset
 #   GPU_CHECK_DRY=1 bash tools/gpu_check.sh OUT    # CPU, tiny model, 2 steps per run (CI)
@@ -17,7 +18,7 @@
 # fetch_gpu_wheels.sh refuses wheels that would not fit). OUT_DIR receives small files only:
 # gpu_check.json (rewritten atomically before and after each phase: a killed run leaves a valid
 # JSON of the phases done so far, its `not_measured` list says what was not measured and why),
-# gpu_check.log, run_{smoke,A,B,fp16}.metrics.jsonl. Checkpoints and run folders go to
+# gpu_check.log, run_{smoke,A,shadow,fp16,B}.metrics.jsonl. Checkpoints and run folders go to
 # $GPU_CHECK_WORK (default: a new temporary folder; removed after a dry run). Python: $PYTHON, else
 # .venv/bin/python, else python3. Exit status 0 only when every phase that ran is ok; otherwise
 # non-zero with "gpu_check: FAILED: ..." printed.
@@ -47,12 +48,13 @@ os.replace(sys.argv[1] + ".tmp", sys.argv[1])' "$out/gpu_check.json" 2>/dev/null
 dry="${GPU_CHECK_DRY:-0}"
 [ "$dry" = 0 ] && dry_flag=() || dry_flag=(--dry)
 
-# What the train path (generation.backend=megatron) imports beyond torch and numpy and the machine
-# may lack: module -> wheel name in ./wheels (tools/fetch_gpu_wheels.sh). Checked without importing
+# What the train path (generation.backend=megatron) imports beyond torch and the machine may lack
+# (numpy too: megatron.core needs it and a torch install does not bring it): module -> wheel name in
+# ./wheels (tools/fetch_gpu_wheels.sh). Checked without importing
 # them (megatron.core's import alone takes seconds); only the missing ones are installed, from
 # ./wheels alone (no index, no deps), into a folder put on PYTHONPATH. yaml and safetensors are
 # preinstalled there; transformers / tokenizers are not needed (token-id prompts, no tokenizer).
-needs=(megatron.core:megatron_core packaging:packaging omegaconf:omegaconf yaml:pyyaml safetensors:safetensors)
+needs=(numpy:numpy megatron.core:megatron_core packaging:packaging omegaconf:omegaconf yaml:pyyaml safetensors:safetensors)
 wheels="${GPU_CHECK_WHEELS:-wheels}"
 missing=()
 for spec in "${needs[@]}"; do
@@ -63,13 +65,17 @@ for spec in "${needs[@]}"; do
 done
 if [ "${#missing[@]}" -gt 0 ]; then
   files=()
+  absent=()  # every missing wheel is named at once
   shopt -s nocaseglob
   for name in "${missing[@]}"; do
     match=("$wheels"/"$name"-*.whl)
-    [ -f "${match[0]}" ] || fail "$name is not installed and $wheels/$name-*.whl is missing: run" \
-      "'bash tools/fetch_gpu_wheels.sh' on a machine with PyPI and carry the wheels folder"
-    files+=("${match[@]}")
+    if [ -f "${match[0]}" ]; then files+=("${match[@]}"); else
+      absent+=("$name is not installed and $wheels/$name-*.whl is missing"); fi
   done
+  if [ "${#absent[@]}" -gt 0 ]; then
+    joined="$(printf '%s; ' "${absent[@]}")"
+    fail "${joined%; }: run 'bash tools/fetch_gpu_wheels.sh' on a machine with PyPI and carry the wheels folder"
+  fi
   site="${TMPDIR:-/tmp}/megatron_grpo_gpu_site"
   echo "gpu_check: installing ${missing[*]} from $wheels into $site"
   "$py" -m pip install -q --no-index --no-deps --no-compile --disable-pip-version-check --upgrade \

@@ -17,6 +17,7 @@ held out for validation); ``--corpus-dir`` takes any directory of text files ins
    sampled tokens, temperature 1, with log-prob < -5 and < -20).
 
     python tools/pretrain.py --out runs/pretrain-4m --size 4m --steps 600
+    python tools/pretrain.py --out runs/pretrain-4m --eos-prompts   # only OUT/eos_prompts.jsonl (the EOS task)
 """
 
 from __future__ import annotations
@@ -75,6 +76,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--gen-len", type=int, default=64)
     p.add_argument("--log-every", type=int, default=20)
+    p.add_argument("--eos-prompts", action="store_true",
+                   help="only write OUT/eos_prompts.jsonl for the model already at OUT (write_eos_prompts)")
     args = p.parse_args(argv)
     if not 1 <= args.seq_len < MAX_SEQ_LEN or args.prompt_len + args.gen_len > MAX_SEQ_LEN:
         p.error(f"--seq-len and --prompt-len + --gen-len must be < {MAX_SEQ_LEN}")
@@ -345,11 +348,41 @@ def prepare(args: argparse.Namespace) -> Tuple[Dict, object, str, Dict[str, torc
     return corpus["meta"], dict(path=tok_path, size=len(tokenizer)), init_dir, rows
 
 
+EOS_PROMPT_TOKENS, EOS_PROMPT_OFFSETS = 48, (0, 2, 4, 8)
+"""EOS-task prompts: the 48 tokens ending 0, 2, 4 or 8 tokens before the end of each validation file."""
+
+
+def write_eos_prompts(model_dir: str, val_texts: Sequence[str]) -> str:
+    """Writes ``model_dir/eos_prompts.jsonl`` (the write-up recipe's ``data.prompts_file``) with the model's
+    tokenizer.
+
+    The pretrained model continues a file to its end and then emits EOS, so near a file's end some samples stop
+    early (reward varies within a group: GRPO has a signal), while EOS as the FIRST token, the task's optimum,
+    stays rare (log-prob about -10 to -15 two or more tokens before the end): the write-up's setting."""
+    from transformers import AutoTokenizer
+
+    path = os.path.join(model_dir, "eos_prompts.jsonl")
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    lines, n = [], EOS_PROMPT_TOKENS
+    for ids in tok.backend_tokenizer.encode_batch(list(val_texts), add_special_tokens=False):
+        ids = ids.ids
+        lines += [json.dumps({"prompt_token_ids": ids[len(ids) - d - n:len(ids) - d]})
+                  for d in EOS_PROMPT_OFFSETS if len(ids) >= d + n]
+    with open(path + ".tmp", "w") as f:
+        f.write("\n".join(lines) + "\n")
+    os.replace(path + ".tmp", path)
+    return path
+
+
 def main(argv: Optional[Sequence[str]] = None) -> Dict:
     from megatron_grpo.models import build_from_hf, load_hf_config
     from megatron_grpo.parallel import state
 
     args = parse_args(argv)
+    if args.eos_prompts:
+        corpus = load_corpus(args.corpus_dir, args.glob_ext, args.max_corpus_mb, args.val_every)
+        print(write_eos_prompts(args.out, corpus["val"]))
+        return {}
     t0 = time.perf_counter()
     torch.manual_seed(args.seed)
     os.makedirs(args.out, exist_ok=True)

@@ -1,6 +1,7 @@
 """One Markdown (optionally HTML) report for a sweep folder (same as ``megatron-grpo report``).
 
-The report lives in ``megatron_grpo.observe.plots``; this script is kept for existing commands.
+The report lives in ``megatron_grpo.observe.plots``; this script is kept for existing commands. ``--writeup`` and
+``--regime`` hand over to ``tools/writeup.py --report`` / ``tools/writeup_regime.py --page`` (child processes).
 
     python tools/report.py runs/sweep-tiny [--seed 0] [--html]
     python tools/report.py runs/writeup-pretrained --writeup docs/results/writeup-reproduction.md
@@ -10,8 +11,9 @@ The report lives in ``megatron_grpo.observe.plots``; this script is kept for exi
 from __future__ import annotations
 
 import argparse
-import json
 import os
+import subprocess
+import sys
 
 from megatron_grpo.observe.plots import SECTIONS, build_report  # noqa: F401
 
@@ -28,22 +30,16 @@ def main(argv=None) -> None:
     parser.add_argument("--export", default=None, metavar="DIR",
                         help="with --regime: copy every run's raw metrics.jsonl / summary.json to DIR")
     args = parser.parse_args(argv)
+    tools = os.path.dirname(os.path.abspath(__file__))
     if args.regime:
-        import writeup_regime
-
-        if args.export:
-            print(f"{len(writeup_regime.export_metrics(args.sweep, args.export))} files -> {args.export}")
-        print(writeup_regime.write_page(args.sweep, doc=args.regime))
+        cmd = ["writeup_regime.py", "--out", args.sweep, "--page", args.regime]
+        cmd += ["--export", args.export] if args.export else []
+    elif args.writeup:
+        cmd = ["writeup.py", "--out", args.sweep, "--report", args.writeup]
+    else:
+        print(build_report(args.sweep, args.seed, args.html))
         return
-    if args.writeup:
-        import writeup
-
-        p = json.load(open(os.path.join(args.sweep, "writeup.json")))
-        print(writeup.write_report(args.sweep, p["table_lr"], p["scan_seeds"], p["seeds"], p["threshold"],
-                                   doc=args.writeup, eps=p.get("eps"),
-                                   family_seeds=p.get("family_seeds"), scan_lrs=p.get("scan_lrs")))
-        return
-    print(build_report(args.sweep, args.seed, args.html))
+    subprocess.run([sys.executable, os.path.join(tools, cmd[0])] + cmd[1:], check=True)
 
 
 if __name__ == "__main__":

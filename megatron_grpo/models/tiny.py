@@ -10,7 +10,8 @@ from __future__ import annotations
 import os
 import random
 import shutil
-from typing import Dict
+import tempfile
+from typing import Dict, Optional
 
 import torch
 
@@ -100,3 +101,15 @@ def default_model_dir(arch: str = "qwen3") -> str:
 
             shutil.rmtree(tmp, ignore_errors=True)
     return path
+
+
+def make_sized_model(hidden: Optional[int] = None, layers: Optional[int] = None, prefix: str = "bench-") -> str:
+    """A tiny dense Qwen3 in a new temporary folder, ``hidden`` wide (head_dim 64, FFN 3x) and ``layers`` deep
+    where given (the benchmarks' ``--hidden`` / ``--layers``)."""
+    overrides: Dict = {}
+    if hidden:
+        overrides.update(hidden_size=hidden, intermediate_size=3 * hidden, num_attention_heads=hidden // 64,
+                         num_key_value_heads=max(1, hidden // 256), head_dim=64)
+    if layers:
+        overrides["num_hidden_layers"] = layers
+    return make_tiny_model(tempfile.mkdtemp(prefix=prefix), "qwen3", overrides=overrides or None)
