@@ -212,6 +212,10 @@ def stage_stats(out: str, stage: str) -> Dict[str, List[Dict]]:
                 st["gain"] = st["final_reward"] - experiments.mean_key(rows, "reward/mean", 1, 5)
                 st["phantom_zero_grad"] = experiments.mean_key(rows, "clip/phantom_zero_grad_fraction")
                 st["phantom_region"] = experiments.mean_key(rows, "clip/phantom_region_fraction")
+                st["cos_series"] = [r["grad/cos_clean"] for r in rows if r.get("grad/cos_clean") is not None]
+                st["beta_common"] = experiments.mean_key(rows, "precision/beta_abs_mean_common")
+                st["beta_nonzero_rare"] = experiments.mean_key(
+                    [r for r in rows if r.get("precision/beta_abs_mean_rare")], "precision/beta_abs_mean_rare")
                 per.append(dict(st, seed=s))
         table[run] = per
     return table
@@ -361,8 +365,40 @@ def headline(state: Dict, main: Dict[str, List[Dict]], dose: Dict[str, List[Dict
     h1 = h1_verdict(main["A"], main["B"])[0]
     h2 = (h2_verdict(dose["F"], dose["B-dose15"], dose["B-dose30"])[0]
           if all(len(dose[r]) == len(DOSE_SEEDS) for r in dose) else "pending")
-    return f"**Headline**: in the write-up's regime (gates passed), the write-up's failure is **{h1}** (H1); " \
+    return f"**Headline**: {scope_line(main)}; by the pre-registered rule the write-up's failure is **{h1}** (H1); " \
            f"dose-response H2: **{h2}**."
+
+
+WRITEUP_ZERO_GRAD = 0.125
+"""The write-up's zero-gradient dose at step 3: TRL's ``clip_ratio/region_mean`` 13.5% (B) vs 1.0% (A), a token
+counted only when clipped in its advantage's direction: ~12.5 percentage points."""
+
+
+def scope_line(main: Dict[str, List[Dict]]) -> str:
+    """What the runs tested, from their metrics: synchronous, the zero-gradient dose against the write-up's,
+    rarity coupling of beta, and how far B trailed A (seeds, share of A's gain)."""
+    a, b = {s["seed"]: s for s in main["A"]}, {s["seed"]: s for s in main["B"]}
+    seeds = sorted(set(a) & set(b))
+    trailed = sum(a[k]["final_reward"] > b[k]["final_reward"] for k in seeds)
+    gap = statistics.mean(a[k]["final_reward"] - b[k]["final_reward"] for k in seeds)
+    gain = statistics.mean(a[k]["gain"] for k in seeds)
+    dose = statistics.mean(s["phantom_zero_grad"] for s in main["B"])
+    rare = [s["beta_nonzero_rare"] for s in main["B"] if not math.isnan(s["beta_nonzero_rare"])]
+    coupling = (f"rare-token beta {statistics.mean(rare) / statistics.mean(s['beta_common'] for s in main['B']):.1f}x "
+                "the common tokens'") if rare else "no rare tokens (log-prob < -20) sampled, so no rarity coupling"
+    return (f"synchronous runs (generation.max_staleness=0: alpha = 0, every clip in B is phantom), B zeroing "
+            f"{dose:.1%} of its tokens' gradients (~{dose / WRITEUP_ZERO_GRAD:.2f}x the write-up's "
+            f"{WRITEUP_ZERO_GRAD:.1%}), {coupling}: B trailed A in {trailed}/{len(seeds)} seeds by "
+            f"{gap / gain:.0%} of A's gain ({gap:.2f} of {gain:.2f})")
+
+
+def _cos_medians(stats: Dict[str, List[Dict]]) -> str:
+    """Medians of the gradient cosine with the clean gradient over every logged step (the means are pulled down
+    by steps where every group had advantage 0: cosine 0 or negative)."""
+    parts = [f"{r} {statistics.median(sum((s['cos_series'] for s in per), [])):.3g}"
+             for r, per in stats.items() if any(s["cos_series"] for s in per)]
+    return "Gradient cosine with the clean gradient, median over every logged step: " + ", ".join(parts) + \
+        " (the means above are pulled down by steps where every group had advantage 0)."
 
 
 def write_page(out: str, doc: Optional[str] = None) -> str:
@@ -379,9 +415,9 @@ def write_page(out: str, doc: Optional[str] = None) -> str:
              "", "## Probe stage: eps and gates", ""] + _eps_section(state) + [""] + _gate_section(state)
     lines += ["", _wall_line(out)]
     lines += ["", f"## Main: A vs B ({len(MAIN_SEEDS)} seeds x {MAIN_STEPS} steps)", ""] + _stage_table(main, "main")
-    lines += [""] + _seed_rows(main, "A", "B")
+    lines += ["", _cos_medians(main), ""] + _seed_rows(main, "A", "B")
     lines += ["", f"## Dose-response: F, B at 1x and 2x dose ({len(DOSE_SEEDS)} seeds x {DOSE_STEPS} steps)", ""]
-    lines += _stage_table(dose, "dose") + [""] + _seed_rows(dose, "F", "B-dose30")
+    lines += _stage_table(dose, "dose") + ["", _cos_medians(dose), ""] + _seed_rows(dose, "F", "B-dose30")
     lines += ["", "## Verdicts (worded by the pre-registered rule)", ""] + _verdict_lines(main, dose, passed) + [""]
     with open(doc, "w") as f:
         f.write("\n".join(lines))
