@@ -163,14 +163,14 @@ class _ForkWriteQueue:
 
 
 def _use_fork_write_queue() -> None:
-    """Megatron-Core 0.16.1's torch_dist writer collects the writer processes' results through a
+    """Megatron-Core's torch_dist writer collects the writer processes' results through a
     spawn-mode ``multiprocessing.Manager``: a helper process that outlives a SIGKILLed trainer,
     keeping its stdout/stderr open (a launcher waiting for them hangs), and that needs ``__main__``
     guards in every entry point. The writers are forked (synchronous and asynchronous saves
     alike), so a fork-context queue does the same job without a helper process."""
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
+    from megatron_grpo.compat.megatron import set_write_results_queue
 
-    filesystem_async._get_write_results_queue = _ForkWriteQueue
+    set_write_results_queue(_ForkWriteQueue)
 
 
 def load_sharded(model, optimizer, path: str, step: int, with_state: bool, main_params: bool,

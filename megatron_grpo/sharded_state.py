@@ -108,14 +108,10 @@ def param_states(optimizer) -> Iterator[ParamState]:
 
 
 def _distributed_param_states(opt) -> Iterator[ParamState]:
-    for gbuf_range_maps in opt.gbuf_ranges:
-        for buckets in gbuf_range_maps.values():
-            for bucket in buckets:
-                for model_param, ranges in bucket["param_map"].items():
-                    group_index, group_order = opt.model_param_group_index_map[model_param]
-                    main = opt.optimizer.param_groups[group_index]["params"][group_order]
-                    yield ParamState(model_param, main, ranges["param"].start, ranges["param"].end,
-                                     opt.optimizer.state[main], distributed=True)
+    from megatron_grpo.compat.megatron import distributed_optimizer_ranges
+
+    for model_param, main, start, end in distributed_optimizer_ranges(opt):
+        yield ParamState(model_param, main, start, end, opt.optimizer.state[main], distributed=True)
 
 
 def state_names(optimizer) -> Tuple[str, ...]:

@@ -84,6 +84,7 @@ class Routing:
     def __init__(self, model, train_dtype: torch.dtype, shadow_dtype: torch.dtype):
         from megatron.core.transformer.moe.router import TopKRouter
 
+        from megatron_grpo.compat.megatron import set_router_replay
         from megatron_grpo.models.qwen3 import unwrap
 
         routers = [m for m in unwrap(model).modules() if isinstance(m, TopKRouter)]
@@ -97,7 +98,7 @@ class Routing:
         self.router_dtype = train_dtype
         self.taps = [RouteTap() for _ in self.routers]
         for router, tap in zip(self.routers, self.taps):
-            router.router_replay = tap
+            set_router_replay(router, tap)
             router.gating = functools.partial(_gating, router, self)
 
     @contextlib.contextmanager

@@ -167,7 +167,7 @@ class MegatronEngine(RolloutEngine):
 
     def _decode(self, rows: List[_Row], sampling: Sampling) -> None:
         """KV-cached sampling of ``rows`` (one prompt length) until each stops; fills their tokens."""
-        from megatron.core.inference.contexts import StaticInferenceContext
+        from megatron_grpo.compat.megatron import keep_kv_rows, static_inference_context
 
         prompt_len = len(rows[0].prompt)
         budget = min(sampling.max_tokens, self.max_model_len - prompt_len)
@@ -176,7 +176,7 @@ class MegatronEngine(RolloutEngine):
             for row in rows:
                 row.finish_reason = "length"
             return
-        context = StaticInferenceContext(len(rows), prompt_len + budget)
+        context = static_inference_context(len(rows), prompt_len + budget)
         logits = self._forward(torch.tensor([r.prompt for r in rows]), 0, context)
         context.enable_decode_mode()
         active = rows
@@ -189,7 +189,7 @@ class MegatronEngine(RolloutEngine):
             if not keep:
                 return
             if len(keep) < len(active):
-                _keep_rows(context, keep)
+                keep_kv_rows(context, keep)
                 tokens, active = tokens[keep], [active[j] for j in keep]
             logits = self._forward(tokens.unsqueeze(1), prompt_len + step, context)
 
@@ -267,13 +267,6 @@ def _by_prompt_length(rows: List[_Row]) -> List[List[_Row]]:
     for row in rows:
         groups.setdefault(len(row.prompt), []).append(row)
     return list(groups.values())
-
-
-def _keep_rows(context, keep: List[int]) -> None:
-    """Drops finished rows from the KV cache of every layer (``[seq, batch, heads, dim]``)."""
-    for layer, (key, value) in context.key_value_memory_dict.items():
-        index = torch.tensor(keep, device=key.device)
-        context.key_value_memory_dict[layer] = (key.index_select(1, index), value.index_select(1, index))
 
 
 def _eos_ids(model_dir: str) -> set:
