@@ -65,9 +65,9 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
                              init_info.timeout_s)
 
     def start_weight_update(self) -> None:
-        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+        from megatron_grpo.compat.vllm import begin_layerwise_reload
 
-        initialize_layerwise_reload(self.model)
+        begin_layerwise_reload(self.model)
 
     def update_weights(self, update_info: dict) -> None:
         self.receive_weights(self.parse_update_info(update_info))
@@ -80,11 +80,10 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         self.num_loaded = receive_all(self.pg, self.num_senders, self.model.load_weights)
 
     def finish_weight_update(self) -> None:
-        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
-
+        from megatron_grpo.compat.vllm import finish_layerwise_reload
         from megatron_grpo.rollout.vllm_worker import repack_moe
 
-        finalize_layerwise_reload(self.model, self.model_config)
+        finish_layerwise_reload(self.model, self.model_config)
         repack_moe(self.model)
 
     def shutdown(self) -> None:

@@ -50,12 +50,9 @@ Bucket = List[Tuple[str, torch.Tensor]]
 def register() -> None:
     """The ``vllm.general_plugins`` entry point: adds ``gloo`` to vLLM's weight-transfer factories.
     Runs once per vLLM process (and may run again: idempotent)."""
-    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
+    from megatron_grpo.compat.vllm import register_weight_transfer_engine
 
-    if BACKEND not in WeightTransferEngineFactory._registry:
-        WeightTransferEngineFactory.register_engine(BACKEND, ENGINES_MODULE, "GlooWeightTransferEngine")
-    if BACKEND not in WeightTransferTrainerFactory._registry:
-        WeightTransferTrainerFactory.register_engine(BACKEND, ENGINES_MODULE, "GlooTrainerWeightTransferEngine")
+    register_weight_transfer_engine(BACKEND, ENGINES_MODULE, "GlooWeightTransferEngine", "GlooTrainerWeightTransferEngine")
 
 
 def route_address(host: str) -> str:
@@ -120,19 +117,18 @@ def recv_message(pg, src: int) -> Tuple[int, bytes, Optional[torch.Tensor]]:
 
 def pack_bucket(bucket: Bucket) -> Tuple[bytes, torch.Tensor]:
     """(JSON meta, one uint8 buffer) of a bucket, with vLLM's packer."""
-    from vllm.distributed.weight_transfer.packed_tensor import pack_tensors
+    from megatron_grpo.compat.vllm import pack_tensors
 
-    chunk = pack_tensors(iter(bucket), lambda item: item[1], buffer_size_bytes=2**62)
-    meta = dict(names=chunk.names, dtypes=[str(d).split(".")[-1] for d in chunk.dtypes], shapes=chunk.shapes,
-                sizes=chunk.tensor_sizes)
-    return json.dumps(meta).encode(), chunk.packed_tensor
+    names, dtypes, shapes, sizes, buffer = pack_tensors(bucket)
+    meta = dict(names=names, dtypes=[str(d).split(".")[-1] for d in dtypes], shapes=shapes, sizes=sizes)
+    return json.dumps(meta).encode(), buffer
 
 
 def unpack_bucket(meta: bytes, payload: torch.Tensor) -> Bucket:
-    from vllm.distributed.weight_transfer.packed_tensor import unpack_tensor
+    from megatron_grpo.compat.vllm import unpack_tensors
 
     m = json.loads(meta)
-    return unpack_tensor(payload, m["names"], m["shapes"], [getattr(torch, d) for d in m["dtypes"]], m["sizes"])
+    return unpack_tensors(payload, m["names"], m["shapes"], [getattr(torch, d) for d in m["dtypes"]], m["sizes"])
 
 
 # ---- trainer side -------------------------------------------------------------------------------------------
