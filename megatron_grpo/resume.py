@@ -136,13 +136,15 @@ def save_sharded(model, optimizer, path: str, with_state: bool, async_save: bool
     from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
     from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
 
+    from megatron_grpo.compat.megatron import async_save_kwargs
+
     _use_fork_write_queue()
     model_sd = sharded_state.model_sharded_state_dict(model)
     optim_sd = sharded_state.optimizer_sharded_state_dict(optimizer.megatron, model_sd, with_state)
     strategy = FullyParallelSaveStrategyWrapper(get_default_save_sharded_strategy("torch_dist"),
                                                 ps.get_data_parallel_group(with_context_parallel=True))
     return dist_checkpointing.save({"model": model_sd, "optimizer": optim_sd}, path, sharded_strategy=strategy,
-                                   async_sharded_save=async_save)
+                                   async_sharded_save=async_save, **(async_save_kwargs() if async_save else {}))
 
 
 class _ForkWriteQueue:

@@ -99,6 +99,15 @@ def test_write_results_queue_comes_from_the_factory(monkeypatch):
     assert f"{name}()" in source  # the writer asks exactly this name
 
 
+def test_async_save_kwargs_are_accepted_by_save():
+    from megatron.core import dist_checkpointing
+
+    kwargs = mc.async_save_kwargs()
+    inspect.signature(dist_checkpointing.save).bind({}, "dir", async_sharded_save=True, **kwargs)
+    default = inspect.signature(dist_checkpointing.save).parameters.get("async_strategy")
+    assert (default is None) == (kwargs == {})  # 0.17+: chosen explicitly (the default "nvrx" needs NVRx)
+
+
 def test_router_replay_hook_gets_asked_for_the_top_k(tiny_moe, megatron_single):
     from megatron.core.transformer.moe.router import TopKRouter
 

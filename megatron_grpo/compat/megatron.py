@@ -113,6 +113,15 @@ def set_write_results_queue(make_queue: Callable[[], object]) -> None:
         filesystem_async._results_queue = None
 
 
+def async_save_kwargs() -> dict:
+    """Extra ``dist_checkpointing.save`` arguments for an asynchronous save (``async_sharded_save=True``).
+    0.16.1: none (Megatron's own ``AsyncRequest`` machinery is the only one). 0.17+: the default
+    ``async_strategy="nvrx"`` needs ``nvidia-resiliency-ext`` (``ModuleNotFoundError`` otherwise; not a
+    dependency of ours: no CPU build); ``"mcore"`` keeps the 0.16.1 machinery, deprecated in 0.19
+    (docs/megatron-versions.md)."""
+    return {} if version() < (0, 17, 0) else {"async_strategy": "mcore"}
+
+
 def set_router_replay(router, hook) -> None:
     """Installs ``hook`` as ``TopKRouter``'s top-k source. 0.16.1 and 0.19: the attribute
     ``router.router_replay`` (None unless ``moe_enable_routing_replay``), whose
