@@ -170,9 +170,10 @@ def _use_fork_write_queue() -> None:
     keeping its stdout/stderr open (a launcher waiting for them hangs), and that needs ``__main__``
     guards in every entry point. The writers are forked (synchronous and asynchronous saves
     alike), so a fork-context queue does the same job without a helper process."""
-    from megatron_grpo.compat.megatron import set_write_results_queue
+    from megatron_grpo.compat.megatron import keep_checkpoint_writer_errors, set_write_results_queue
 
     set_write_results_queue(_ForkWriteQueue)
+    keep_checkpoint_writer_errors()
 
 
 def load_sharded(model, optimizer, path: str, step: int, with_state: bool, main_params: bool,

@@ -99,6 +99,26 @@ def test_write_results_queue_comes_from_the_factory(monkeypatch):
     assert f"{name}()" in source  # the writer asks exactly this name
 
 
+def test_a_failed_shard_write_keeps_its_error(tmp_path):
+    """A bucket whose file cannot be opened: 0.16.1 puts the error itself in the results queue; 0.17+
+    (the shim) raises it from the in-line writer (no queues), so its text reaches the caller."""
+    import queue
+
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+
+    mc.keep_checkpoint_writer_errors()
+    bucket = (str(tmp_path / "missing" / "__0_0.distcp"), "key", ([], []))
+    if mc.version() < (0, 17, 0):
+        results, count = queue.Queue(), queue.Queue()
+        count.put(0)
+        FileSystemWriterAsync.write_preloaded_data([], 0, bucket, results, count, True)
+        assert isinstance(results.get_nowait()[1], FileNotFoundError)
+    else:
+        with pytest.raises(FileNotFoundError, match="No such file"):
+            FileSystemWriterAsync.write_preloaded_data([], local_proc_idx=0, write_bucket=bucket, results_queue=None,
+                                                      count_queue=None, use_fsync=True)
+
+
 def test_async_save_kwargs_are_accepted_by_save():
     from megatron.core import dist_checkpointing
 

@@ -113,6 +113,35 @@ def set_write_results_queue(make_queue: Callable[[], object]) -> None:
         filesystem_async._results_queue = None
 
 
+def keep_checkpoint_writer_errors() -> None:
+    """Makes a failed ``torch_dist`` shard write report its error (a full disk says so).
+    0.16.1: the writer's exception reaches the caller as the cause of "Worker failure: ...".
+    0.17+: ``write_preloaded_data`` returns ``(index, exception)`` and
+    ``write_preloaded_data_multithread``'s ``check_local_output`` then fails on
+    ``assert isinstance(..., list), type(...)``: the error becomes "An error is caught while starting
+    worker 0, error: <class 'OSError'>", errno and message lost. The in-line writer (the last bucket,
+    the only one at the default ``thread_count=1``) is wrapped to raise its exception instead, which
+    that ``except`` turns into the same message with the error's text; worker threads (more buckets)
+    keep Megatron's behaviour (raising there would leave its queue joins waiting)."""
+    if version() < (0, 17, 0):
+        return
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+
+    write = FileSystemWriterAsync.write_preloaded_data
+    if getattr(write, "_megatron_grpo", False):
+        return
+
+    def write_preloaded_data(*args, **kwargs):
+        output = write(*args, **kwargs)
+        in_line = kwargs.get("results_queue") is None and kwargs.get("count_queue") is None
+        if in_line and output is not None and isinstance(output[1], BaseException):
+            raise output[1]
+        return output
+
+    write_preloaded_data._megatron_grpo = True
+    FileSystemWriterAsync.write_preloaded_data = staticmethod(write_preloaded_data)
+
+
 def async_save_kwargs() -> dict:
     """Extra ``dist_checkpointing.save`` arguments for an asynchronous save (``async_sharded_save=True``).
     0.16.1: none (Megatron's own ``AsyncRequest`` machinery is the only one). 0.17+: the default
