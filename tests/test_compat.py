@@ -58,7 +58,7 @@ def test_gpt_model_builds_and_keeps_its_kv_cache_per_layer(tiny_dense, megatron_
     context = mc.static_inference_context(3, 8)
     model.eval()
     with torch.no_grad():
-        model(ids, torch.arange(5).expand_as(ids), None, inference_context=context)
+        model(ids, torch.arange(5).expand_as(ids), None, inference_context=context, runtime_gather_output=True)
     layers = context.key_value_memory_dict
     assert sorted(layers) == list(range(1, model.config.num_layers + 1))
     key, value = layers[1]
