@@ -10,7 +10,6 @@ import pytest
 from megatron_grpo.checkpoint import folders as ckpt
 from tests.test_train import run_cli
 
-pytestmark = pytest.mark.vllm
 VOLATILE = ("time/", "timing/", "sync/push_s")
 
 
@@ -18,6 +17,7 @@ def _stable(row):
     return {k: v for k, v in row.items() if not k.startswith(VOLATILE)}
 
 
+@pytest.mark.vllm
 def test_sigkill_between_steps_then_resume_reproduces_metrics_exactly(tmp_path, tiny_dense):
     common = [f"policy.model_name={tiny_dense}", "grpo.max_num_steps=6", "checkpointing.save_period=1"]
     code, out, straight = run_cli(common + [f"checkpointing.checkpoint_dir={tmp_path / 'ck-a'}"], str(tmp_path / "a"))
@@ -154,6 +154,7 @@ def test_full_disk_while_finalizing_names_the_file_and_removes_the_partial_files
     assert ckpt.resolve_for_load(root, fallback_to_previous=False) == ckpt.step_dir(root, 2)  # latest unchanged
 
 
+@pytest.mark.vllm
 def test_server_killed_mid_run_recovers_without_corrupting_checkpoints(tmp_path, tiny_dense):
     os.environ["MEGATRON_GRPO_FAULT_KILL_GENERATOR_STEP"] = "2"
     try:
@@ -170,6 +171,7 @@ def test_server_killed_mid_run_recovers_without_corrupting_checkpoints(tmp_path,
         ckpt.verify(ckpt.step_dir(str(tmp_path / "ck"), step))
 
 
+@pytest.mark.vllm
 def test_generator_killed_in_every_phase_recovers_with_the_uninterrupted_metrics(tmp_path, tiny_dense):
     """The generator dies before step 2's generation, during step 3's weight push and before step
     4's parity probe: each time it is restarted and re-pushed, the retried generation asks for the
@@ -199,6 +201,7 @@ def test_generator_killed_in_every_phase_recovers_with_the_uninterrupted_metrics
         ckpt.verify(ckpt.step_dir(str(tmp_path / "ck"), step))
 
 
+@pytest.mark.vllm
 def test_nan_log_probs_skip_the_step_and_repeated_nans_stop_the_run(tmp_path, tiny_dense):
     os.environ["MEGATRON_GRPO_FAULT_NAN_STEP"] = "2"
     try:
@@ -396,7 +399,8 @@ def _install_fused_adam():
 
     class FusedAdam(torch.optim.Optimizer):
         def __init__(self, params, lr=1e-3, bias_correction=True, betas=(0.9, 0.999), eps=1e-8, adam_w_mode=True,
-                     weight_decay=0.0):
+                     weight_decay=0.0, capturable=False):  # Megatron-Core 0.17+ passes capturable, as TE's takes
+            assert not capturable, "CUDA-graph capturable steps are not emulated"
             super().__init__(params, dict(lr=lr, bias_correction=bias_correction, betas=betas, eps=eps,
                                           weight_decay=weight_decay))
             self.adam_w_mode = adam_w_mode

@@ -97,6 +97,11 @@ def test_harmless_messages_are_dropped_and_real_ones_kept(quiet_installed):
     finally:
         layerwise.removeHandler(handler)
     assert [r.getMessage() for r in records] == ["QKVParallelLinear: Failed to load weights"]
+    gpt = logging.getLogger("megatron.core.models.gpt.gpt_model")  # Megatron-Core 0.19, docs/megatron-versions.md
+    drop_gpt = next(f for f in gpt.filters if isinstance(f, quiet.DropHarmless))
+    assert not drop_gpt.filter(logging.LogRecord(gpt.name, logging.WARNING, "", 0, "GPTModel IS DEPRECATED. GPTModel "
+                                                 "is only accepting critical bug fixes", (), None))
+    assert drop_gpt.filter(logging.LogRecord(gpt.name, logging.WARNING, "", 0, "something real", (), None))
     base = logging.getLogger("vllm.renderers.base")
     drop = next(f for f in base.filters if isinstance(f, quiet.DropHarmless))
     no_tokenizer = logging.LogRecord("vllm.renderers.base", logging.WARNING, "", 0, "Chat template warmup failed",

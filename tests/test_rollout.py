@@ -9,8 +9,6 @@ from megatron_grpo.rollout import Sampling
 from megatron_grpo.rollout.staleness import StalenessGate
 from tests._dist import run_distributed
 
-pytestmark = pytest.mark.vllm
-
 # mean / max |vLLM - transformers| log-prob allowed in the same dtype. ENVIRONMENT.md measured on a
 # tiny Qwen3: fp32 6e-7 / 2e-6, fp16 1e-3 / 6e-3, bf16 1e-2 / 5e-2; we allow ~3-10x that.
 TOLERANCE = {torch.float32: (1e-5, 1e-4), torch.float16: (5e-3, 5e-2), torch.bfloat16: (3e-2, 0.3)}
@@ -31,6 +29,7 @@ def _hf_completion_logprobs(model_dir, rollouts, dtype, temperature):
     return out
 
 
+@pytest.mark.vllm
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_generate_n_completions_with_logprobs_matching_transformers(dtype, tiny_dense):
     from megatron_grpo.rollout.engines.vllm_engine import VLLMEngine
@@ -117,6 +116,7 @@ def _push_worker(model_dir, tp, transport):
     return out
 
 
+@pytest.mark.vllm
 @pytest.mark.parametrize("tp, transport", [(1, "file"), (2, "gloo")])
 def test_push_follows_weights_and_probe_catches_bad_pushes(tp, transport, tiny_dense, capfd):
     """TP = 2 also takes the offline ``LLM`` weight-transfer API (gloo engine, checksums in the probe). Quiet
@@ -148,6 +148,7 @@ def test_staleness_gate_never_accepts_two_versions_old():
         StalenessGate(-1)
 
 
+@pytest.mark.vllm
 def test_async_pipeline_is_max_staleness_deep_and_probes_at_temperature_one(tmp_path, tiny_dense):
     """max_staleness = 2 really trains on rollouts two versions old (a two-deep pipeline); at
     T = 0.7 the start-up parity probe passes (both sides score at T = 1) and stays tight."""
@@ -240,6 +241,7 @@ def _hf_scores(model_dir, weights, sequences, prompt_lens):
     return out
 
 
+@pytest.mark.vllm
 def test_server_on_another_host_gloo_push_from_two_stages_parity_and_dead_server_error(tiny_dense, another_host):
     """One server for every server check, as on another host: its own network namespace (reached at
     10.231.N.2 over a veth pair; its workers find the trainer's store at the address of the route to it,

@@ -19,8 +19,6 @@ MECHANISM_METRICS = [
     "loss/policy", "sync/logprob_abs_diff_mean", "sync/logprob_abs_diff_max",
 ]
 
-pytestmark = pytest.mark.vllm
-
 
 def run_cli(args, log_dir, nproc=1, timeout=900):
     """Runs ``megatron-grpo train`` (under torchrun when nproc > 1); returns (returncode, output, rows)."""
@@ -45,6 +43,7 @@ def tiny_run(tmp_path_factory, tiny_dense):
     return rows
 
 
+@pytest.mark.vllm
 def test_tiny_run_learns_to_stop(tiny_run):
     lengths = [r["completion/length_mean"] for r in tiny_run]
     assert [r["step"] for r in tiny_run] == list(range(1, 17))
@@ -53,6 +52,7 @@ def test_tiny_run_learns_to_stop(tiny_run):
     assert sum(r["reward/mean"] for r in tiny_run[-3:]) / 3 > sum(r["reward/mean"] for r in tiny_run[:3]) / 3 + 3.0
 
 
+@pytest.mark.vllm
 def test_metrics_jsonl_has_every_mechanism_metric(tiny_run):
     for row in tiny_run:
         missing = [m for m in MECHANISM_METRICS if m not in row]
@@ -65,6 +65,7 @@ def test_metrics_jsonl_has_every_mechanism_metric(tiny_run):
     assert max(r["sync/logprob_abs_diff_mean"] for r in tiny_run) < 1e-4
 
 
+@pytest.mark.vllm
 def test_bf16_matched_beta_exactly_zero_and_fp32_mismatch_shows_phantom(tmp_path, tiny_dense):
     common = [f"policy.model_name={tiny_dense}", "grpo.max_num_steps=2", "grpo.num_prompts_per_step=2",
               "grpo.num_generations_per_prompt=8", "grpo.deployed_improvement=false"]
@@ -90,6 +91,7 @@ def test_bf16_matched_beta_exactly_zero_and_fp32_mismatch_shows_phantom(tmp_path
      "policy.megatron_cfg.distributed_data_parallel_config.bucket_size=20000"],
     ["policy.megatron_cfg.pipeline_model_parallel_size=2", "grpo.max_num_steps=3"],
 ], ids=["tp2", "dp2-distopt-overlap", "pp2"])
+@pytest.mark.vllm
 def test_two_rank_layouts_match_single_process(layout, tmp_path, tiny_dense, tiny_run):
     """TP = 2, DP = 2 (Megatron's distributed optimizer, bucketed grad reduction overlapped with the
     backward) and PP = 2 (1F1B) under torchrun: the steps equal the single-process run's; the
@@ -118,6 +120,7 @@ def test_bad_recipe_input_exits_before_training(override, message, tmp_path):
     assert rows == []
 
 
+@pytest.mark.vllm
 def test_tiny_moe_ep2_matches_ep1_first_step(tmp_path, tiny_moe):
     args = [f"policy.model_name={tiny_moe}", "grpo.max_num_steps=1"]
     code, out, ep1 = run_cli(args + ["policy.megatron_cfg.expert_model_parallel_size=1"], str(tmp_path / "ep1"))

@@ -35,13 +35,13 @@ import torch.distributed as dist
 from megatron.core import dist_checkpointing
 from megatron.core import parallel_state as ps
 from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
-from megatron.core.dist_checkpointing.strategies import filesystem_async
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
 
 from megatron_grpo.checkpoint import folders as ckpt
 from megatron_grpo.checkpoint import sharded_state
 from megatron_grpo.checkpoint.export import export_hf
+from megatron_grpo.compat.megatron import async_save_kwargs, keep_checkpoint_writer_errors, set_write_results_queue
 from megatron_grpo.models import unwrap
 from megatron_grpo.parallel import comm
 from megatron_grpo.rollout.parity import ProbeBatch
@@ -146,7 +146,7 @@ def save_sharded(model, optimizer, path: str, with_state: bool, async_save: bool
     strategy = FullyParallelSaveStrategyWrapper(get_default_save_sharded_strategy("torch_dist"),
                                                 ps.get_data_parallel_group(with_context_parallel=True))
     return dist_checkpointing.save({"model": model_sd, "optimizer": optim_sd}, path, sharded_strategy=strategy,
-                                   async_sharded_save=async_save)
+                                   async_sharded_save=async_save, **(async_save_kwargs() if async_save else {}))
 
 
 class _ForkWriteQueue:
@@ -165,12 +165,13 @@ class _ForkWriteQueue:
 
 
 def _use_fork_write_queue() -> None:
-    """Megatron-Core 0.16.1's torch_dist writer collects the writer processes' results through a
+    """Megatron-Core's torch_dist writer collects the writer processes' results through a
     spawn-mode ``multiprocessing.Manager``: a helper process that outlives a SIGKILLed trainer,
     keeping its stdout/stderr open (a launcher waiting for them hangs), and that needs ``__main__``
     guards in every entry point. The writers are forked (synchronous and asynchronous saves
     alike), so a fork-context queue does the same job without a helper process."""
-    filesystem_async._get_write_results_queue = _ForkWriteQueue
+    set_write_results_queue(_ForkWriteQueue)
+    keep_checkpoint_writer_errors()
 
 
 def load_sharded(model, optimizer, path: str, step: int, with_state: bool, main_params: bool,

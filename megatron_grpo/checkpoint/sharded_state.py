@@ -41,6 +41,7 @@ from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
+from megatron_grpo.compat.megatron import distributed_optimizer_ranges
 from megatron_grpo.models import unwrap
 
 STATE_PREFIX = "optimizer.state"
@@ -109,14 +110,8 @@ def param_states(optimizer) -> Iterator[ParamState]:
 
 
 def _distributed_param_states(opt) -> Iterator[ParamState]:
-    for gbuf_range_maps in opt.gbuf_ranges:
-        for buckets in gbuf_range_maps.values():
-            for bucket in buckets:
-                for model_param, ranges in bucket["param_map"].items():
-                    group_index, group_order = opt.model_param_group_index_map[model_param]
-                    main = opt.optimizer.param_groups[group_index]["params"][group_order]
-                    yield ParamState(model_param, main, ranges["param"].start, ranges["param"].end,
-                                     opt.optimizer.state[main], distributed=True)
+    for model_param, main, start, end in distributed_optimizer_ranges(opt):
+        yield ParamState(model_param, main, start, end, opt.optimizer.state[main], distributed=True)
 
 
 def state_names(optimizer) -> Tuple[str, ...]:

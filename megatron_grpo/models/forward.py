@@ -14,6 +14,7 @@ from typing import List, Sequence
 import torch
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
+from megatron_grpo.compat.megatron import stage_output_dtype
 from megatron_grpo.models import forward_logits, unwrap
 from megatron_grpo.parallel import comm
 from megatron_grpo.parallel.logprobs import token_log_probs
@@ -67,11 +68,11 @@ def precision_context(compute_dtype: torch.dtype, params_dtype: torch.dtype):
 @contextlib.contextmanager
 def pipeline_dtype(model, compute_dtype: torch.dtype, params_dtype: torch.dtype):
     """Sets the dtype of the activations (and their gradients) the pipeline stages exchange to what
-    a stage outputs under ``precision_context``: the autocast dtype when autocast is on (a stage's
-    last residual add is then in that dtype, as between two layers with PP = 1), else the params'."""
+    a stage outputs under ``precision_context`` (the receiving stage allocates its buffer in
+    ``config.pipeline_dtype``): the dtype of a stage's last residual add, which depends on
+    Megatron-Core's version under autocast (``compat.megatron.stage_output_dtype``)."""
     config = unwrap(model).config
-    autocast = not (compute_dtype == params_dtype or compute_dtype == torch.float32)
-    previous, config.pipeline_dtype = config.pipeline_dtype, compute_dtype if autocast else params_dtype
+    previous, config.pipeline_dtype = config.pipeline_dtype, stage_output_dtype(compute_dtype, params_dtype)
     try:
         yield
     finally:

@@ -11,6 +11,7 @@ from typing import Any, Dict, Optional
 
 import torch
 
+from megatron_grpo.compat.megatron import gpt_model
 from megatron_grpo.models.spec import model_spec
 
 logger = logging.getLogger(__name__)
@@ -141,11 +142,10 @@ def transformer_config(shape: ModelShape, *, params_dtype: torch.dtype = torch.f
 def build_gpt_model(shape: ModelShape, config, *, backend: str = "auto"):
     """Builds this rank's ``GPTModel`` stage; wraps it in ``Float16Module`` for half params."""
     from megatron.core import parallel_state as ps
-    from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.module import Float16Module
 
     spec, chosen = model_spec(config, shape.num_experts, backend)
-    model = GPTModel(
+    model = gpt_model(
         config=config, transformer_layer_spec=spec, vocab_size=shape.vocab_size,
         max_sequence_length=shape.max_position_embeddings,
         pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),

@@ -29,6 +29,7 @@ from typing import List, Optional, Tuple
 
 import torch
 
+from megatron_grpo.compat.megatron import set_router_replay
 from megatron_grpo.models.qwen3 import sequence_multiple, unwrap
 from megatron_grpo.parallel import comm
 
@@ -96,7 +97,7 @@ class Routing:
         self.router_dtype = train_dtype
         self.taps = [RouteTap() for _ in self.routers]
         for router, tap in zip(self.routers, self.taps):
-            router.router_replay = tap
+            set_router_replay(router, tap)
             router.gating = functools.partial(_gating, router, self)
 
     @contextlib.contextmanager

@@ -12,6 +12,7 @@ import os
 
 import torch
 
+from megatron_grpo.compat.megatron import gpt_layer_spec
 from megatron_grpo.models.norm import SequenceParallelRMSNorm
 
 logger = logging.getLogger(__name__)
@@ -37,8 +38,6 @@ def layer_spec(num_experts: int | None, backend: str = "auto", sequence_parallel
     ``sequence_parallel`` the local spec's norms are ``SequenceParallelRMSNorm`` (Megatron's
     ``WrappedTorchNorm`` refuses SP); TE's norms support SP as they are.
     """
-    from megatron.core.models.gpt import gpt_layer_specs as specs
-
     if backend not in ("auto", "te", "local"):
         raise ValueError(f"policy.megatron_cfg.transformer_impl must be auto, te or local, got {backend!r}")
     use_te = te_usable() if backend == "auto" else backend == "te"
@@ -47,9 +46,9 @@ def layer_spec(num_experts: int | None, backend: str = "auto", sequence_parallel
     experts = num_experts or None
     if use_te:
         logger.info("layer spec: Transformer Engine (TE GEMMs)")
-        return specs.get_gpt_layer_with_transformer_engine_spec(num_experts=experts, qk_layernorm=True), "te"
+        return gpt_layer_spec(use_te=True, num_experts=experts), "te"
     logger.info("layer spec: Megatron-Core local (torch layers)")
-    spec = specs.get_gpt_layer_local_spec(num_experts=experts, qk_layernorm=True, normalization="RMSNorm")
+    spec = gpt_layer_spec(use_te=False, num_experts=experts)
     if sequence_parallel:
         _use_sequence_parallel_norms(spec)
     return spec, "local"

@@ -34,6 +34,9 @@ HARMLESS_LOGS: Dict[str, Sequence[str]] = {
     # no rotary tensors (vLLM computes cos/sin from the config), so vLLM restores the layer's own
     # cos_sin_cache and warns. Exactly this layer class: a failed load of any other layer still shows.
     "vllm.model_executor.model_loader.reload.layerwise": (r"^RotaryEmbedding: Failed to load weights$",),
+    # Megatron-Core 0.19 logs this for every GPTModel built (each stage, each rebuild); the notice is for
+    # us, not the user: docs/megatron-versions.md says what we use and when we move to HybridModel
+    "megatron.core.models.gpt.gpt_model": (r"^GPTModel IS DEPRECATED\. ",),
 }
 """Logger name -> regexes of messages that are harmless in this trainer."""
 

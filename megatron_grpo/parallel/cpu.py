@@ -1,4 +1,4 @@
-"""Makes Megatron-Core 0.16.1 run on a CPU-only torch build with gloo.
+"""Makes Megatron-Core (0.16.1, 0.19) run on a CPU-only torch build with gloo.
 
 Every CUDA-only spot we hit is bypassed here and nowhere else; ``install()`` is a
 no-op when CUDA is available. The spots (see ../shared/ENVIRONMENT.md):
@@ -10,7 +10,7 @@ no-op when CUDA is available. The spots (see ../shared/ENVIRONMENT.md):
   generator states, one independent stream per name so TP ranks get distinct dropout);
 - ``custom_fwd/custom_bwd(device_type="cuda")`` around the TP linear autograd
   functions -> rewrapped for ``device_type="cpu"`` so bf16/fp16 autocast backward works;
-- MoE router's module-level ``te_general_gemm`` missing without TE -> set to None;
+- MoE router's module-level ``te_general_gemm`` missing without TE (0.16.1) -> set to None;
 - ``device="cuda"`` tensor factories in the pipeline schedules, Megatron's optimizers, grad
   clipping, grad scalers and ``core/utils`` (the local multi-tensor L2 norm) -> those modules see
   a ``torch`` whose factories map ``"cuda"`` to ``"cpu"``;
@@ -26,12 +26,13 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import importlib
 import logging
 import os
 import sys
 
 import torch
+
+from megatron_grpo.compat import megatron as compat
 
 logger = logging.getLogger(__name__)
 _INSTALLED = False
@@ -100,18 +101,16 @@ def _patch_megatron() -> None:
     fused_softmax.get_default_causal_mask = _cpu_causal_mask
     transformer_utils.get_default_causal_mask = _cpu_causal_mask
     _rewrap_autocast(layers)
-    from megatron.core import utils as core_utils
-    from megatron.core.optimizer import clip_grads, distrib_optimizer, grad_scaler, optimizer
-    from megatron.core.pipeline_parallel import schedules
+    from megatron.core.optimizer import grad_scaler
 
-    for module in (schedules, optimizer, clip_grads, grad_scaler, distrib_optimizer, core_utils):
+    for module in compat.cuda_factory_modules():
         module.torch = _CPUTorch()
     _patch_type_names()
     _patch_tensor_cuda()
     grad_scaler.DynamicGradScaler.load_state_dict = _scaler_load_state_dict
     random._CUDA_RNG_STATE_TRACKER = _TRACKER
     random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
-    _patch_router()
+    compat.define_missing_te_general_gemm()
 
 
 class _CPUTorch:
@@ -186,23 +185,11 @@ def _cpu_causal_mask(sq: int) -> torch.Tensor:
 def _rewrap_autocast(layers_module) -> None:
     """Re-decorates the TP linear autograd functions with ``device_type="cpu"``."""
     for cls_name in ("LinearWithFrozenWeight", "LinearWithGradAccumulationAndAsyncCommunication"):
-        cls = getattr(layers_module, cls_name, None)
-        if cls is None:
-            continue
+        cls = getattr(layers_module, cls_name)
         fwd = cls.__dict__["forward"].__func__
         bwd = cls.__dict__["backward"].__func__
         cls.forward = staticmethod(torch.amp.custom_fwd(getattr(fwd, "__wrapped__", fwd), device_type="cpu"))
         cls.backward = staticmethod(torch.amp.custom_bwd(getattr(bwd, "__wrapped__", bwd), device_type="cpu"))
-
-
-def _patch_router() -> None:
-    for name in ("megatron.core.transformer.moe.router", "megatron.core.transformer.moe.moe_utils"):
-        try:
-            module = importlib.import_module(name)
-        except Exception:  # noqa: BLE001 - optional module
-            continue
-        if not hasattr(module, "te_general_gemm"):
-            module.te_general_gemm = None
 
 
 class CPURNGStatesTracker:

@@ -15,9 +15,11 @@ from dataclasses import dataclass
 from typing import Dict, Optional, Tuple
 
 import torch
+from megatron.core import parallel_state as ps
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from megatron_grpo import faults
+from megatron_grpo.compat.megatron import moe_aux_loss_token_multiplier
 from megatron_grpo.config.schema import Config, to_dtype
 from megatron_grpo.loss import StatSet, clips, policy_loss_stats
 from megatron_grpo.loss.metrics import routing_stats
@@ -287,13 +289,15 @@ class TrainStep:
 
     def _scale_moe_aux_losses(self, num_routed_tokens: int) -> None:
         """MoE aux/z losses as a mean over the step's routed tokens. Under
-        ``calculate_per_token_loss`` Megatron multiplies them by each micro-batch's token count
-        and leaves the division by the global count to ``finalize_model_grads``; our losses are
-        already global means, so the coefficients carry that division instead."""
+        ``calculate_per_token_loss`` Megatron multiplies them by a token count (a TP rank's share of
+        the tokens under SP; on 0.19 times the TP x CP size: ``compat.megatron``) and leaves the
+        division by the global count to ``finalize_model_grads``; our losses are already global
+        means, so the coefficients carry that division instead."""
         config = unwrap(self.model).config
         if not getattr(config, "num_moe_experts", None):
             return
-        num_routed_tokens /= sequence_multiple(config)  # SP: Megatron scales by a TP rank's share of the tokens
+        tp_cp_size = ps.get_tensor_model_parallel_world_size() * ps.get_context_parallel_world_size()
+        num_routed_tokens = moe_aux_loss_token_multiplier(num_routed_tokens / sequence_multiple(config), tp_cp_size)
         m = self.cfg.policy.megatron_cfg
         config.moe_aux_loss_coeff = m.moe_aux_loss_coeff / num_routed_tokens
         config.moe_z_loss_coeff = m.moe_z_loss_coeff / num_routed_tokens if m.moe_z_loss_coeff else None

@@ -53,8 +53,8 @@ from typing import Iterable, List, Optional, Sequence
 
 import torch
 from megatron.core import parallel_state as ps
-from megatron.core.inference.contexts import StaticInferenceContext
 
+from megatron_grpo.compat.megatron import keep_kv_rows, static_inference_context
 from megatron_grpo.models import sequence_parallel_disabled
 from megatron_grpo.models.forward import completion_scores, forward_log_probs, model_device, pack, precision_context
 from megatron_grpo.parallel import comm
@@ -174,7 +174,7 @@ class MegatronEngine(RolloutEngine):
             for row in rows:
                 row.finish_reason = "length"
             return
-        context = StaticInferenceContext(len(rows), prompt_len + budget)
+        context = static_inference_context(len(rows), prompt_len + budget)
         logits = self._forward(torch.tensor([r.prompt for r in rows]), 0, context)
         context.enable_decode_mode()
         active = rows
@@ -187,7 +187,7 @@ class MegatronEngine(RolloutEngine):
             if not keep:
                 return
             if len(keep) < len(active):
-                _keep_rows(context, keep)
+                keep_kv_rows(context, keep)
                 tokens, active = tokens[keep], [active[j] for j in keep]
             logits = self._forward(tokens.unsqueeze(1), prompt_len + step, context)
 
@@ -254,13 +254,6 @@ def _by_prompt_length(rows: List[_Row]) -> List[List[_Row]]:
     for row in rows:
         groups.setdefault(len(row.prompt), []).append(row)
     return list(groups.values())
-
-
-def _keep_rows(context, keep: List[int]) -> None:
-    """Drops finished rows from the KV cache of every layer (``[seq, batch, heads, dim]``)."""
-    for layer, (key, value) in context.key_value_memory_dict.items():
-        index = torch.tensor(keep, device=key.device)
-        context.key_value_memory_dict[layer] = (key.index_select(1, index), value.index_select(1, index))
 
 
 def _eos_ids(model_dir: str) -> set:

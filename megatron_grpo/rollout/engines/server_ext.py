@@ -11,8 +11,8 @@ from __future__ import annotations
 import logging
 
 from vllm.config import set_current_vllm_config
-from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
+from megatron_grpo.compat.vllm import begin_layerwise_reload, finish_layerwise_reload
 from megatron_grpo.rollout.engines.vllm_worker import _repack_moe
 
 
@@ -26,7 +26,7 @@ class WeightLoaderExtension:
         bucket and warns "<Layer>: Failed to load weights" for each layer of the other buckets (thousands of
         lines per push at Qwen3-0.6B's shape); a layer that no bucket of the push loads still warns, once."""
         with set_current_vllm_config(self.vllm_config):
-            initialize_layerwise_reload(self.model_runner.get_model())
+            begin_layerwise_reload(self.model_runner.get_model())
         self.megatron_grpo_push_open = True
 
     def megatron_grpo_load(self, path: str, is_moe: str = "0") -> int:
@@ -55,7 +55,7 @@ class WeightLoaderExtension:
             layerwise.setLevel(logging.ERROR)
         try:
             with set_current_vllm_config(self.vllm_config):
-                finalize_layerwise_reload(self.model_runner.get_model(), self.vllm_config.model_config)
+                finish_layerwise_reload(self.model_runner.get_model(), self.vllm_config.model_config)
         finally:
             layerwise.setLevel(level)
         for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):  # what reload_weights does

@@ -75,9 +75,9 @@ class ServerWeightSyncClient:
     def update_weights(self, update_info) -> None:
         infos = update_info if isinstance(update_info, list) else [update_info]
         if any("ipc_handles" in info for info in infos):  # ipc: the handles travel pickled, as vLLM's client does
-            from vllm.distributed.weight_transfer.clients import _json_safe_update_payload
+            from megatron_grpo.compat.vllm import json_safe_update_payload
 
-            update_info = _json_safe_update_payload(update_info)
+            update_info = json_safe_update_payload(update_info)
         self.engine._post("/update_weights", dict(update_info=update_info), retry=False)
 
     def finish_weight_update(self, weight_version: Optional[str] = None) -> None:

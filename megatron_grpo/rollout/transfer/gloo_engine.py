@@ -25,8 +25,8 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferInitInfo,
     WeightTransferUpdateInfo,
 )
-from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
+from megatron_grpo.compat.vllm import begin_layerwise_reload, finish_layerwise_reload
 from megatron_grpo.rollout.engines.vllm_worker import repack_moe
 from megatron_grpo.rollout.transfer.gloo_transfer import (
     BACKEND,
@@ -79,7 +79,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
                              init_info.timeout_s)
 
     def start_weight_update(self) -> None:
-        initialize_layerwise_reload(self.model)
+        begin_layerwise_reload(self.model)
 
     def update_weights(self, update_info: dict) -> None:
         self.receive_weights(self.parse_update_info(update_info))
@@ -92,7 +92,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         self.num_loaded = receive_all(self.pg, self.num_senders, self.model.load_weights)
 
     def finish_weight_update(self) -> None:
-        finalize_layerwise_reload(self.model, self.model_config)
+        finish_layerwise_reload(self.model, self.model_config)
         repack_moe(self.model)
 
     def shutdown(self) -> None:

@@ -41,6 +41,8 @@ from typing import Iterable, List, Optional, Tuple
 import torch
 from torch.distributed import PrefixStore, ProcessGroupGloo, TCPStore
 
+from megatron_grpo.compat.vllm import pack_tensors, register_weight_transfer_engine, unpack_tensors
+
 BACKEND = "gloo"
 ENGINES_MODULE = "megatron_grpo.rollout.transfer.gloo_engine"
 """vLLM's engine classes for gloo (imported by vLLM's factory when the backend is chosen)."""
@@ -52,12 +54,7 @@ Bucket = List[Tuple[str, torch.Tensor]]
 def register() -> None:
     """The ``vllm.general_plugins`` entry point: adds ``gloo`` to vLLM's weight-transfer factories.
     Runs once per vLLM process (and may run again: idempotent)."""
-    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
-
-    if BACKEND not in WeightTransferEngineFactory._registry:
-        WeightTransferEngineFactory.register_engine(BACKEND, ENGINES_MODULE, "GlooWeightTransferEngine")
-    if BACKEND not in WeightTransferTrainerFactory._registry:
-        WeightTransferTrainerFactory.register_engine(BACKEND, ENGINES_MODULE, "GlooTrainerWeightTransferEngine")
+    register_weight_transfer_engine(BACKEND, ENGINES_MODULE, "GlooWeightTransferEngine", "GlooTrainerWeightTransferEngine")
 
 
 def route_address(host: str) -> str:
@@ -118,19 +115,14 @@ def recv_message(pg, src: int) -> Tuple[int, bytes, Optional[torch.Tensor]]:
 
 def pack_bucket(bucket: Bucket) -> Tuple[bytes, torch.Tensor]:
     """(JSON meta, one uint8 buffer) of a bucket, with vLLM's packer."""
-    from vllm.distributed.weight_transfer.packed_tensor import pack_tensors
-
-    chunk = pack_tensors(iter(bucket), lambda item: item[1], buffer_size_bytes=2**62)
-    meta = dict(names=chunk.names, dtypes=[str(d).split(".")[-1] for d in chunk.dtypes], shapes=chunk.shapes,
-                sizes=chunk.tensor_sizes)
-    return json.dumps(meta).encode(), chunk.packed_tensor
+    names, dtypes, shapes, sizes, buffer = pack_tensors(bucket)
+    meta = dict(names=names, dtypes=[str(d).split(".")[-1] for d in dtypes], shapes=shapes, sizes=sizes)
+    return json.dumps(meta).encode(), buffer
 
 
 def unpack_bucket(meta: bytes, payload: torch.Tensor) -> Bucket:
-    from vllm.distributed.weight_transfer.packed_tensor import unpack_tensor
-
     m = json.loads(meta)
-    return unpack_tensor(payload, m["names"], m["shapes"], [getattr(torch, d) for d in m["dtypes"]], m["sizes"])
+    return unpack_tensors(payload, m["names"], m["shapes"], [getattr(torch, d) for d in m["dtypes"]], m["sizes"])
 
 
 # ---- trainer side -------------------------------------------------------------------------------------------

@@ -1,0 +1,205 @@
+"""Every call into Megatron-Core whose name, signature or presence depends on its version.
+
+Tested: 0.16.1 (Python 3.11, the newest release there) and 0.19.x (Python >= 3.12). Each shim says
+what each version needs; one that is the same on both is here because it reaches into an internal
+(a private name, an attribute of a live object) that a later release may move. ``megatron.core`` is
+imported inside each shim: importing this module costs nothing.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import re
+from importlib.metadata import version as dist_version
+from typing import Callable, Iterator, List, Optional, Tuple
+
+import torch
+
+
+@functools.lru_cache(maxsize=1)
+def version() -> Tuple[int, int, int]:
+    """The installed megatron-core's ``(major, minor, patch)``, from its package metadata (importing
+    ``megatron.core`` costs seconds; this does not)."""
+    major, minor, patch = re.match(r"(\d+)\.(\d+)\.(\d+)", dist_version("megatron-core")).groups()
+    return int(major), int(minor), int(patch)
+
+
+MODULES_WITH_CUDA_FACTORIES = (
+    "megatron.core.pipeline_parallel.schedules",
+    "megatron.core.optimizer.optimizer",
+    "megatron.core.optimizer.clip_grads",
+    "megatron.core.optimizer.grad_scaler",
+    "megatron.core.optimizer.distrib_optimizer",
+    "megatron.core.utils",
+)
+"""0.16.1 and 0.19: the modules whose module-level ``torch`` builds tensors with ``device="cuda"``
+(the pipeline schedules' loss scale, the optimizers' and grad clipping's buffers, the local
+multi-tensor L2 norm); the CPU shims hand them a ``torch`` that maps ``"cuda"`` to ``"cpu"``."""
+
+
+def cuda_factory_modules() -> list:
+    """The imported ``MODULES_WITH_CUDA_FACTORIES`` (see there)."""
+    return [importlib.import_module(name) for name in MODULES_WITH_CUDA_FACTORIES]
+
+
+def define_missing_te_general_gemm() -> None:
+    """0.16.1: ``moe/router.py`` and ``moe/moe_utils.py`` reference the module-level name
+    ``te_general_gemm`` unguarded, which is only bound when Transformer Engine imports (without TE:
+    ``NameError`` in the router's gating); binds it to None, Megatron's own "no TE" value.
+    0.19: bound to None without TE already; this is a no-op there."""
+    for name in ("megatron.core.transformer.moe.router", "megatron.core.transformer.moe.moe_utils"):
+        try:
+            module = importlib.import_module(name)
+        except ImportError:
+            continue
+        if not hasattr(module, "te_general_gemm"):
+            module.te_general_gemm = None
+
+
+def gpt_layer_spec(use_te: bool, num_experts: Optional[int], qk_layernorm: bool = True,
+                   normalization: str = "RMSNorm"):
+    """The GPT decoder layer's ``ModuleSpec`` with Transformer Engine or local (torch) layers.
+    0.16.1: ``get_gpt_layer_{with_transformer_engine,local}_spec(...)`` build the spec themselves.
+    0.19: the same names wrap the new ``get_gpt_layer_*_submodules`` helpers in a ``ModuleSpec``
+    (same arguments); ``*_spec`` is kept for GPTModel, the ``*_submodules`` are what HybridModel's
+    stacks take (see docs/megatron-versions.md)."""
+    from megatron.core.models.gpt import gpt_layer_specs as specs
+
+    if use_te:
+        return specs.get_gpt_layer_with_transformer_engine_spec(num_experts=num_experts, qk_layernorm=qk_layernorm)
+    return specs.get_gpt_layer_local_spec(num_experts=num_experts, qk_layernorm=qk_layernorm,
+                                          normalization=normalization)
+
+
+def gpt_model(**kwargs):
+    """``GPTModel(**kwargs)``. 0.16.1: the decoder model. 0.19: the same class and arguments, frozen
+    ("only accepting critical bug fixes") in favour of ``HybridModel``; it logs a deprecation warning
+    per construction (``megatron.core.models.gpt.gpt_model``, WARNING), which ``quiet`` lists as known.
+    Why we stay on it and when we move: docs/megatron-versions.md."""
+    from megatron.core.models.gpt import GPTModel
+
+    return GPTModel(**kwargs)
+
+
+def distributed_optimizer_ranges(opt) -> Iterator[Tuple[object, object, int, int]]:
+    """``(model_param, main_param, start, end)`` for every parameter range this rank's
+    ``DistributedOptimizer`` owns (``[start, end)`` of the flattened parameter). 0.16.1 and 0.19:
+    the private ``gbuf_ranges[model chunk][dtypes][bucket]["param_map"]`` (param -> ranges, of which
+    ``"param"`` is the range within the parameter) and ``model_param_group_index_map`` (param ->
+    ``(group index, order)`` into the inner optimizer's param groups)."""
+    for gbuf_range_maps in opt.gbuf_ranges:
+        for buckets in gbuf_range_maps.values():
+            for bucket in buckets:
+                for model_param, ranges in bucket["param_map"].items():
+                    group_index, group_order = opt.model_param_group_index_map[model_param]
+                    main = opt.optimizer.param_groups[group_index]["params"][group_order]
+                    yield model_param, main, ranges["param"].start, ranges["param"].end
+
+
+def set_write_results_queue(make_queue: Callable[[], object]) -> None:
+    """Makes ``torch_dist``'s filesystem writer collect its writers' results through ``make_queue()``
+    instead of a spawn-mode ``multiprocessing.Manager().Queue()`` (a helper process).
+    0.16.1: ``filesystem_async._get_write_results_queue()``, called per save.
+    0.17+: renamed ``get_write_results_queue(mp_mode="spawn")`` and cached module-wide in
+    ``_results_queue`` (the cache is cleared so the next save asks ``make_queue``)."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    def factory(*args, **kwargs):
+        return make_queue()
+
+    if version() < (0, 17, 0):
+        filesystem_async._get_write_results_queue = factory
+    else:
+        filesystem_async.get_write_results_queue = factory
+        filesystem_async._results_queue = None
+
+
+def keep_checkpoint_writer_errors() -> None:
+    """Makes a failed ``torch_dist`` shard write report its error (a full disk says so).
+    0.16.1: the writer's exception reaches the caller as the cause of "Worker failure: ...".
+    0.17+: ``write_preloaded_data`` returns ``(index, exception)`` and
+    ``write_preloaded_data_multithread``'s ``check_local_output`` then fails on
+    ``assert isinstance(..., list), type(...)``: the error becomes "An error is caught while starting
+    worker 0, error: <class 'OSError'>", errno and message lost. The in-line writer (the last bucket,
+    the only one at the default ``thread_count=1``) is wrapped to raise its exception instead, which
+    that ``except`` turns into the same message with the error's text; worker threads (more buckets)
+    keep Megatron's behaviour (raising there would leave its queue joins waiting)."""
+    if version() < (0, 17, 0):
+        return
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+
+    write = FileSystemWriterAsync.write_preloaded_data
+    if getattr(write, "_megatron_grpo", False):
+        return
+
+    def write_preloaded_data(*args, **kwargs):
+        output = write(*args, **kwargs)
+        in_line = kwargs.get("results_queue") is None and kwargs.get("count_queue") is None
+        if in_line and output is not None and isinstance(output[1], BaseException):
+            raise output[1]
+        return output
+
+    write_preloaded_data._megatron_grpo = True
+    FileSystemWriterAsync.write_preloaded_data = staticmethod(write_preloaded_data)
+
+
+def async_save_kwargs() -> dict:
+    """Extra ``dist_checkpointing.save`` arguments for an asynchronous save (``async_sharded_save=True``).
+    0.16.1: none (Megatron's own ``AsyncRequest`` machinery is the only one). 0.17+: the default
+    ``async_strategy="nvrx"`` needs ``nvidia-resiliency-ext`` (``ModuleNotFoundError`` otherwise; not a
+    dependency of ours: no CPU build); ``"mcore"`` keeps the 0.16.1 machinery, deprecated in 0.19
+    (docs/megatron-versions.md)."""
+    return {} if version() < (0, 17, 0) else {"async_strategy": "mcore"}
+
+
+def set_router_replay(router, hook) -> None:
+    """Installs ``hook`` as ``TopKRouter``'s top-k source. 0.16.1 and 0.19: the attribute
+    ``router.router_replay`` (None unless ``moe_enable_routing_replay``), whose
+    ``get_replay_topk(scores, topk, num_groups, group_topk, default_compute_topk)`` the routing
+    function calls; 0.19 also sets ``hook.layer_number`` when the router's layer number is set."""
+    router.router_replay = hook
+
+
+def static_inference_context(max_batch_size: int, max_sequence_length: int):
+    """Megatron's KV-cache context for a fixed batch. 0.16.1 and 0.19:
+    ``StaticInferenceContext(max_batch_size, max_sequence_length)`` (0.19 builds its
+    ``InferenceConfig`` itself; 0.16.1 took ``materialize_only_last_token_logits`` directly)."""
+    from megatron.core.inference.contexts import StaticInferenceContext
+
+    return StaticInferenceContext(max_batch_size, max_sequence_length)
+
+
+def keep_kv_rows(context, keep: List[int]) -> None:
+    """Drops every other batch row from ``context``'s KV cache (finished sequences). 0.16.1 and 0.19:
+    ``context.key_value_memory_dict[layer_number] = (key, value)``, each ``[seq, batch, heads, dim]``."""
+    for layer, (key, value) in context.key_value_memory_dict.items():
+        index = torch.tensor(keep, device=key.device)
+        context.key_value_memory_dict[layer] = (key.index_select(1, index), value.index_select(1, index))
+
+
+def stage_output_dtype(compute_dtype, params_dtype):
+    """The dtype of the hidden states a pipeline stage hands on (what ``config.pipeline_dtype`` must
+    be: the receiving stage allocates its buffer in it) when the stage runs under autocast to
+    ``compute_dtype`` with ``params_dtype`` weights; every layer ends in Megatron's bias-dropout-add
+    of the layer output (autocast dtype) onto the residual stream (the embedding's, params dtype).
+    0.16.1: ``_bias_dropout_add_func`` casts the residual to the layer output's dtype -> the
+    autocast dtype. 0.17+: it casts the layer output to the residual's dtype ("fp32 residual
+    connections", ``fusions/fused_bias_dropout.py``) -> the params dtype. Without autocast (compute
+    dtype = params dtype, or fp32 compute) both give the params dtype."""
+    autocast = not (compute_dtype == params_dtype or compute_dtype == torch.float32)
+    if autocast and version() < (0, 17, 0):
+        return compute_dtype
+    return params_dtype
+
+
+def moe_aux_loss_token_multiplier(num_local_tokens: int, tp_cp_size: int) -> int:
+    """The factor Megatron's router multiplies each rank's MoE aux and z losses by under
+    ``calculate_per_token_loss`` (to undo ``finalize_model_grads``' division by the global token
+    count), for a rank whose router sees ``num_local_tokens`` tokens (its sequence-parallel shard).
+    0.16.1-0.18: ``num_local_tokens``. 0.19: ``num_local_tokens * tp_cp_group.size()``
+    (``transformer/moe/router.py``, ``attach_and_log_load_balancing_loss`` and ``apply_z_loss``):
+    the TP ranks' partial router gradients are summed, so 0.19 scales by the TP x CP group's tokens."""
+    if version() < (0, 19, 0):
+        return num_local_tokens
+    return num_local_tokens * tp_cp_size
