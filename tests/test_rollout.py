@@ -1,6 +1,7 @@
 """vLLM rollout engine: log-probs vs transformers per dtype, weight push + parity probe (TP=1/2), staleness."""
 
 import os
+import warnings
 
 import pytest
 import torch
@@ -8,6 +9,7 @@ import torch
 from megatron_grpo.rollout import Sampling
 from megatron_grpo.rollout.staleness import StalenessGate
 from tests._dist import run_distributed
+from tests._netns import veth_hosts
 
 # mean / max |vLLM - transformers| log-prob allowed in the same dtype. ENVIRONMENT.md measured on a
 # tiny Qwen3: fp32 6e-7 / 2e-6, fp16 1e-3 / 6e-3, bf16 1e-2 / 5e-2; we allow ~3-10x that.
@@ -206,25 +208,14 @@ def another_host(tmp_path_factory):
     if probe.returncode != 0:
         pytest.skip(f"unshare --mount is not permitted here (needs root / CAP_SYS_ADMIN): {probe.stderr.strip()}")
     stash = tempfile.mkdtemp(prefix="mgrpo-stash-", dir="/var/tmp")  # outside /tmp: a mount point for the old one
-    n = os.getpid() % 250 + 1
-    ns, ours, theirs = f"mgrpo{os.getpid()}", f"vt{os.getpid()}"[:15], f"vs{os.getpid()}"[:15]
-    setup = [["ip", "netns", "add", ns], ["ip", "link", "add", ours, "type", "veth", "peer", "name", theirs, "netns", ns],
-             ["ip", "addr", "add", f"10.231.{n}.1/24", "dev", ours], ["ip", "link", "set", ours, "up"],
-             ["ip", "-n", ns, "addr", "add", f"10.231.{n}.2/24", "dev", theirs],
-             ["ip", "-n", ns, "link", "set", theirs, "up"], ["ip", "-n", ns, "link", "set", "lo", "up"]]
     try:
-        for cmd in setup:
-            if shutil.which("ip") is None or subprocess.run(cmd, capture_output=True).returncode != 0:
-                import warnings
-
-                warnings.warn(f"no network namespace here ({' '.join(cmd)} failed or no iproute2): the server "
-                              "gets private mounts on 127.0.0.1 only")
+        with veth_hosts("mgrpo", f"10.231.{os.getpid() % 250 + 1}", isolated=(False, True)) as hosts:
+            if hosts is None:
+                warnings.warn("the server gets private mounts on 127.0.0.1 only")
                 yield private_mounts(stash), "127.0.0.1"
-                return
-        yield ["ip", "netns", "exec", ns] + private_mounts(stash), f"10.231.{n}.2"
+            else:
+                yield hosts[1].prefix + private_mounts(stash), hosts[1].address
     finally:
-        subprocess.run(["ip", "link", "del", ours], capture_output=True)
-        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
         shutil.rmtree(stash, ignore_errors=True)
 
 

@@ -11,7 +11,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from megatron_grpo.parallel import cpu
+from megatron_grpo.parallel import cpu, net
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +66,8 @@ DEFAULT_TIMEOUT_MINUTES = 30.0
 
 def init_distributed(backend: Optional[str] = None, timeout_minutes: Optional[float] = None) -> None:
     """Initialises the default process group from torchrun's env, or as a 1-process group, with a
-    collective timeout of ``timeout_minutes`` (rank 0 alone may start vLLM or score for minutes)."""
+    collective timeout of ``timeout_minutes`` (rank 0 alone may start vLLM or score for minutes).
+    Under torchrun, gloo binds to this node's interface on the route to ``MASTER_ADDR`` (``net``)."""
     cpu.install()
     if dist.is_initialized():
         return
@@ -74,6 +75,7 @@ def init_distributed(backend: Optional[str] = None, timeout_minutes: Optional[fl
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     timeout = timedelta(minutes=timeout_minutes or DEFAULT_TIMEOUT_MINUTES)
     if "RANK" in os.environ:  # torchrun (or a launcher that sets the env:// variables)
+        net.bind_gloo_to_route()  # before any gloo group: each reads GLOO_SOCKET_IFNAME when made
         dist.init_process_group(backend=backend or cpu.default_backend(), timeout=timeout)
         return
     # a single process: an in-memory store, so nothing listens on any network interface (a TCP

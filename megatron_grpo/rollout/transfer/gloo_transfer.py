@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import json
 import queue
-import socket
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -42,6 +41,7 @@ import torch
 from torch.distributed import PrefixStore, ProcessGroupGloo, TCPStore
 
 from megatron_grpo.compat.vllm import pack_tensors, register_weight_transfer_engine, unpack_tensors
+from megatron_grpo.parallel.net import route_address
 
 BACKEND = "gloo"
 ENGINES_MODULE = "megatron_grpo.rollout.transfer.gloo_engine"
@@ -55,18 +55,6 @@ def register() -> None:
     """The ``vllm.general_plugins`` entry point: adds ``gloo`` to vLLM's weight-transfer factories.
     Runs once per vLLM process (and may run again: idempotent)."""
     register_weight_transfer_engine(BACKEND, ENGINES_MODULE, "GlooWeightTransferEngine", "GlooTrainerWeightTransferEngine")
-
-
-def route_address(host: str) -> str:
-    """This process's address on the route to ``host`` (a UDP connect picks the route and sends
-    nothing): what a peer that reaches ``host`` can reach back. Not ``gethostbyname(hostname)``: on a
-    multi-homed node, or in another network namespace, that address may be unreachable from ``host``."""
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect((host, 9))
-            return s.getsockname()[0]
-    except OSError:
-        return socket.getfqdn()
 
 
 def open_group(host: str, port: int, rank: int, world_size: int, timeout_s: float):

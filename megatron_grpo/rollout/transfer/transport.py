@@ -25,8 +25,9 @@ from urllib.parse import urlparse
 
 import torch
 
+from megatron_grpo.parallel.net import route_address
 from megatron_grpo.rollout.transfer import gloo_transfer
-from megatron_grpo.rollout.transfer.gloo_transfer import TransferEndpoint, route_address
+from megatron_grpo.rollout.transfer.gloo_transfer import TransferEndpoint
 
 API_TRANSPORTS = ("gloo", "nccl", "ipc")
 Bucket = List[Tuple[str, torch.Tensor]]
@@ -70,7 +71,7 @@ def free_port(host: str) -> int:
 
 def default_address(server_url: Optional[str]) -> str:
     """Where the generator's workers reach trainer rank 0: loopback for local engines, else the address
-    of this host's interface that routes to the server (``gloo_transfer.route_address``)."""
+    of this host's interface that routes to the server (``parallel.net.route_address``)."""
     if server_url is None:
         return "127.0.0.1"
 
