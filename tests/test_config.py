@@ -67,6 +67,19 @@ def test_wrong_type_and_bad_values_name_the_key():
         load_recipe(RECIPES[0], ["grpo.seed"])
 
 
+@pytest.mark.parametrize("key, precision", [
+    ("generation_dtype", {"compute_dtype": "bfloat16", "generation_dtype": "float32", "shadow_dtype": "bfloat16"}),
+    ("shadow_dtype", {"compute_dtype": "bfloat16", "shadow_dtype": "float32"}),
+    ("generation_dtype", {"compute_dtype": "bfloat16", "generation_dtype": "float32"}),  # the shadow follows it
+])
+def test_generation_or_shadow_dtype_wider_than_the_params_is_an_error(key, precision):
+    """Both run on the trainer's bf16 weights (the shadow forward, the megatron generator, the parity
+    probe's trainer side): "float32" would silently be bf16 (beta exactly 0)."""
+    with pytest.raises(ValueError, match=rf"policy\.precision\.{key}=float32 is wider than "
+                                         r"policy\.precision\.params_dtype=bfloat16"):
+        from_dict(Config, {"policy": {"precision": {"params_dtype": "bfloat16", **precision}}})
+
+
 def test_precision_defaults_are_matched_and_mismatch_warns(caplog):
     p = PrecisionConfig(compute_dtype="bfloat16")
     assert p.generation_dtype == p.shadow_dtype == "bfloat16" and not p.needs_shadow

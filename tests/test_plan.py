@@ -311,3 +311,27 @@ def test_push_buffers_hold_whole_layers_as_the_exported_checkpoint_has_them(tiny
     assert layer_hf_elements(a3b) * 2 > 2 ** 30
     assert memory_plan(cfg, a3b, 1).term("weight push buffers").bytes > 4 * 2 ** 30
 
+
+
+def test_nccl_transport_adds_vllms_packed_buffers_on_rank_0_only():
+    """vLLM's nccl weight transfer packs the push into 2 x 1 GiB buffers (each closed once past 1 GiB, so up to
+    one tensor more) on trainer rank 0, the only member of its group with the engines: stage 0 counts them, the
+    last pipeline stage and the gloo transport do not. Every rank has the stated runtime headroom."""
+    from megatron_grpo.trainer import plan as planning
+
+    cfg = from_dict(Config, {"policy": {"megatron_cfg": {"pipeline_model_parallel_size": 2}},
+                             "generation": {"backend": "vllm_server", "server_url": "http://elsewhere:8000"}})
+    first, last = (planning._stage_plan(cfg, SHAPE, 2, stage) for stage in (0, 1))
+    assert "vLLM nccl packed buffers" in {t.name for t in first.terms}  # auto = nccl for a dedicated server on GPU
+    assert "vLLM nccl packed buffers" not in {t.name for t in last.terms}
+    largest = planning.largest_hf_tensor(SHAPE) * 4  # fp32 generation
+    assert first.term("vLLM nccl packed buffers").bytes == 2 * (GIB + largest)
+    from vllm.distributed.weight_transfer import packed_tensor
+
+    assert (planning.VLLM_PACKED_BUFFER_BYTES, planning.VLLM_PACKED_NUM_BUFFERS) == (
+        packed_tensor.DEFAULT_PACKED_BUFFER_SIZE_BYTES, packed_tensor.DEFAULT_PACKED_NUM_BUFFERS)
+    for stage in (first, last):
+        assert stage.term("runtime headroom").bytes == planning.RUNTIME_HEADROOM_BYTES
+        assert "runtime headroom" in format_plan(stage)
+    cfg.generation.weight_transfer = "gloo"
+    assert "vLLM nccl packed buffers" not in {t.name for t in planning._stage_plan(cfg, SHAPE, 2, 0).terms}

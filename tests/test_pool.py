@@ -276,6 +276,39 @@ def test_one_push_reaches_both_engines_and_the_probe_names_a_stale_one(pool, tin
         check_parity(pool, probe, lambda _: hf, [k for k, _ in items], 1e-4, 2)
 
 
+def test_engines_under_one_visible_gpu_per_task(monkeypatch, tmp_path):
+    """``srun --gpus-per-task=1``: rank 0 (LOCAL_RANK 0 of 4) sees only its own GPU. A colocated engine
+    shares it; one more (colocated on rank 1's GPU, or dedicated) is refused naming why, before any
+    engine starts (rank 0 spawns every engine and cannot reach the other ranks' GPUs)."""
+    import types
+
+    from megatron_grpo import rollout, setup
+    from megatron_grpo.config.schema import Config, from_dict
+
+    seen = []
+
+    class Engine:
+        def __init__(self, model_dir, dtype, **kwargs):
+            seen.append(kwargs)
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "5")  # this task's GPU, as the node numbers it
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setattr(rollout.ROLLOUT_ENGINES, "get", lambda name: Engine)
+    cfg = from_dict(Config, {"generation": {"num_engines": 1}, "logger": {"log_dir": str(tmp_path)}})
+    setup._build_engine(cfg, str(tmp_path), types.SimpleNamespace(is_moe=False)).close()
+    assert seen[0]["devices"] == ["5"]
+    cfg.generation.num_engines = 2
+    with pytest.raises(ValueError, match=r"rank 0 sees 1 GPU.*CUDA_VISIBLE_DEVICES=5.*--gpus-per-task"):
+        setup._build_engine(cfg, str(tmp_path), types.SimpleNamespace(is_moe=False))
+    cfg.generation.num_engines, cfg.generation.colocated = 1, False
+    with pytest.raises(ValueError, match=r"dedicated engines after the trainer's 1 on rank 0's node, which has 1"):
+        setup._build_engine(cfg, str(tmp_path), types.SimpleNamespace(is_moe=False))
+
+
 def test_engine_placement_stays_on_rank0s_node_and_never_wraps_onto_trainer_gpus(monkeypatch):
     """Multi-node: rank 0 spawns every local engine on its own node (LOCAL_WORLD_SIZE of the world's ranks);
     engines that do not fit there are an error on GPU (CPU: they share the cores), and a device index past

@@ -107,6 +107,48 @@ def test_colocated_engines_wake_after_every_rank_released_its_cache():
     assert rank0["woke"] >= rank1["released"]
 
 
+class _Stop(Exception):
+    pass
+
+
+@pytest.mark.parametrize("settings, fp32", [
+    ({"policy": {"precision": {"compute_dtype": "bfloat16", "shadow_dtype": "float32"}}}, True),  # fp32 shadow
+    ({"policy": {"precision": {"compute_dtype": "bfloat16", "generation_dtype": "float32"}},  # fp32 megatron generator
+      "generation": {"backend": "megatron"}}, True),
+    ({"policy": {"model_name": "tiny:qwen3-moe", "precision": {"compute_dtype": "bfloat16"}}}, True),  # fp32 router
+    ({"policy": {"model_name": "tiny:qwen3-moe", "precision": {"compute_dtype": "bfloat16"},
+                 "megatron_cfg": {"moe_router_dtype": "fp64"}}}, False),
+    ({"policy": {"precision": {"compute_dtype": "bfloat16"}}}, False),  # bf16 only: TF32 left alone
+])
+def test_any_fp32_role_under_te_turns_tf32_off(settings, fp32, monkeypatch):
+    """Transformer Engine's cuBLASLt GEMMs compute fp32 in TF32 unless NVIDIA_TF32_OVERRIDE=0 is set
+    before CUDA initialises: a bf16 trainer with an fp32 shadow, fp32 megatron generator or fp32 MoE
+    router (under TE, CUDA forced here) sets it too, not only an fp32 trainer."""
+    from megatron_grpo.trainer import build as setup
+    from megatron_grpo.models import spec
+    from megatron_grpo.parallel import state
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(spec, "te_usable", lambda: True)
+    monkeypatch.setenv("NVIDIA_TF32_OVERRIDE", "unset")  # records its absence: restored unset after the test
+    monkeypatch.delenv("NVIDIA_TF32_OVERRIDE")
+    monkeypatch.setattr(state, "init_distributed", lambda **kwargs: (_ for _ in ()).throw(_Stop()))
+    previous = torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    try:
+        cfg = from_dict(Config, settings)
+        assert spec.resolve_backend("auto", torch.bfloat16) == "auto"  # TE layers
+        with pytest.raises(_Stop):  # stops where the process group would start: what ran before CUDA initialises
+            setup.build_context(cfg)
+        import os
+
+        assert (os.environ.get("NVIDIA_TF32_OVERRIDE") == "0") == fp32
+        assert torch.backends.cuda.matmul.allow_tf32 != fp32 and torch.backends.cudnn.allow_tf32 != fp32
+    finally:
+        torch.set_float32_matmul_precision(previous[0])
+        torch.backends.cudnn.allow_tf32 = previous[1]
+
+
 @pytest.mark.parametrize("every, probe_every, due", [
     (10, 1, [1, 10, 20]),  # the first probe, then every 10th push
     (0, 1, [1]),  # the first only

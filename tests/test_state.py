@@ -25,6 +25,25 @@ def test_valid_layouts_pass_and_dp_is_derived():
     assert layout.dp == 4
 
 
+def test_each_rank_takes_local_rank_modulo_its_visible_gpus(monkeypatch):
+    """``srun --gpus-per-task=1``: every rank sees one GPU (its own, as device 0); LOCAL_RANK=3 must pick
+    device 3 % 1 = 0 (Megatron-LM's rule), not the invalid ordinal 3."""
+    import torch
+
+    from megatron_grpo.parallel import state
+
+    picked = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_device", picked.append)
+    monkeypatch.setattr(state.dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(state.dist, "init_process_group", lambda **kwargs: None)  # a fake process group
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    monkeypatch.setenv("RANK", "3")
+    state.init_distributed(backend="gloo")
+    assert picked == [0]
+
+
 def test_megatron_groups_follow_the_layout(megatron_single):
     from megatron.core import parallel_state as ps
 

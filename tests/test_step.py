@@ -144,6 +144,65 @@ def test_parity_probe_fails_on_growth_over_its_baseline_and_on_the_max():
         check_parity(engine, probe, ours, ["w"], 1.0, 3, max_tolerance=0.5, baseline=base)
 
 
+def _probe_on_tp_ranks_with_a_stale_engine():
+    """One TP=2 gloo rank of ``GRPOTrainer.check_parity``: the trainer's probe forward is a TP
+    all-reduce, and rank 0's engine reports the previous weights version (a 15 s collective timeout
+    turns a hang into an error)."""
+    import time
+    import types
+
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from megatron_grpo.config.schema import Config, from_dict
+    from megatron_grpo.parallel import state
+    from megatron_grpo.rollout.parity import ParityError, ProbeBatch
+    from megatron_grpo.trainer.loop import GRPOTrainer
+
+    state.initialize_model_parallel(state.Layout(2, tp=2), timeout_minutes=0.25)
+
+    class Engine:
+        pushed_digests = {"w": "digest"}
+
+        def weight_version(self):
+            return "1"
+
+        def weight_checksums(self):
+            return {"w": "digest"}
+
+        def score(self, sequences, prompt_lens):
+            return [[-1.0] * 3 for _ in sequences]
+
+    def trainer_scores(dtype):
+        def score(probe):
+            dist.all_reduce(torch.ones(4), group=ps.get_tensor_model_parallel_group())  # the TP forward
+            return [[-1.0] * 3 for _ in probe.sequences]
+        return score
+
+    trainer = GRPOTrainer.__new__(GRPOTrainer)
+    trainer.cfg = from_dict(Config, {})
+    trainer.ctx = types.SimpleNamespace(engine=Engine() if dist.get_rank() == 0 else None,
+                                        trainer_scores=trainer_scores, device=torch.device("cpu"))
+    trainer.step, trainer.version, trainer.parity_baseline = 1, 2, None
+    trainer.probe, trainer._last_push_names = ProbeBatch([[1, 2, 3, 4, 5]], [2]), ["w"]
+    start = time.perf_counter()
+    try:
+        trainer.check_parity(force=True)
+    except ParityError as exc:
+        return str(exc), time.perf_counter() - start
+    return None, time.perf_counter() - start
+
+
+def test_parity_probe_weight_check_failure_raises_on_every_tp_rank():
+    """A wrong weights version on rank 0's engine: every rank raises ``ParityError`` within seconds
+    (the check ran before the collective forward the other ranks were in: a hang, then a timeout)."""
+    from tests._dist import run_distributed
+
+    for message, seconds in run_distributed(_probe_on_tp_ranks_with_a_stale_engine, 2, timeout=180):
+        assert message is not None and "reports weights version '1' after the push of version 2" in message
+        assert seconds < 10
+
+
 def test_parity_probe_is_sampled_text_scored_at_temperature_one(tiny_dense, megatron_single):
     """The probe is a completion the model samples (not uniform random tokens), and the trainer
     scores it at T = 1 like the generator's ``score`` whatever the generation temperature."""

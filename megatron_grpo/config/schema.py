@@ -82,6 +82,13 @@ class PrecisionConfig:
         if DTYPES[self.compute_dtype].itemsize > DTYPES[self.params_dtype].itemsize:
             raise ValueError(f"policy.precision.compute_dtype={self.compute_dtype} is wider than params_dtype="
                              f"{self.params_dtype}: computing above the weights' precision is not supported")
+        for key in ("generation_dtype", "shadow_dtype"):  # both run on the params (Float16Module)
+            if DTYPES[getattr(self, key)].itemsize > DTYPES[self.params_dtype].itemsize:
+                raise ValueError(
+                    f"policy.precision.{key}={getattr(self, key)} is wider than policy.precision.params_dtype="
+                    f"{self.params_dtype}: the shadow forward, the megatron generator and the parity probe's trainer "
+                    f"side run on the {self.params_dtype} weights, so it would silently run in {self.params_dtype} "
+                    f"(beta exactly 0). Set policy.precision.params_dtype={getattr(self, key)} or {key} no wider")
         if self.hysteresis < 1:
             raise ValueError(f"policy.precision.hysteresis must be >= 1, got {self.hysteresis}")
         if {self.params_dtype, self.compute_dtype} == {"bfloat16", "float16"}:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+from typing import Sequence
 
 import torch
 
@@ -89,11 +90,15 @@ def resolve_backend(backend: str, compute_dtype: torch.dtype) -> str:
     return backend
 
 
-def configure_fp32_matmul(compute_dtype: torch.dtype) -> str:
-    """Makes fp32 compute really fp32 on GPU: TF32 off in torch (matmul, cuDNN) and, for cuBLAS
-    handles created after this call (Transformer Engine's included), ``NVIDIA_TF32_OVERRIDE=0``.
-    Returns how fp32 GEMMs run, for the log. A no-op for bf16/fp16 compute."""
-    if compute_dtype != torch.float32:
+def configure_fp32_matmul(compute_dtype: torch.dtype, fp32_roles: Sequence[str] = ()) -> str:
+    """Makes fp32 GEMMs really fp32 on GPU when the trainer computes in fp32 or any of ``fp32_roles``
+    (the config keys of other fp32 GEMMs in this process: ``setup.fp32_roles``) needs them: TF32 off
+    in torch (matmul, cuDNN) and, for cuBLAS handles created after this call (Transformer Engine's
+    included: its cuBLASLt GEMMs default fp32 to TF32), ``NVIDIA_TF32_OVERRIDE=0``. Returns how fp32
+    GEMMs run, for the log. A no-op when no role is fp32."""
+    roles = list(dict.fromkeys((["policy.precision.compute_dtype"] if compute_dtype == torch.float32 else [])
+                               + list(fp32_roles)))
+    if not roles:
         return f"{compute_dtype} GEMMs"
     os.environ.setdefault("NVIDIA_TF32_OVERRIDE", "0")
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -101,5 +106,5 @@ def configure_fp32_matmul(compute_dtype: torch.dtype) -> str:
     torch.set_float32_matmul_precision("highest")
     label = "true fp32 GEMMs (TF32 off)" if os.environ["NVIDIA_TF32_OVERRIDE"] == "0" else (
         "fp32 GEMMs; NVIDIA_TF32_OVERRIDE is set to a non-zero value by the environment: cuBLAS may use TF32")
-    logger.info("compute_dtype=float32: %s", label)
+    logger.info("float32 in %s: %s", ", ".join(roles), label)
     return label

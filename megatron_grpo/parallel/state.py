@@ -71,8 +71,9 @@ def init_distributed(backend: Optional[str] = None, timeout_minutes: Optional[fl
     cpu.install()
     if dist.is_initialized():
         return
-    if cpu.cuda_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    if cpu.cuda_available():  # Megatron-LM's rule: with one GPU per task (srun --gpus-per-task=1) each
+        # rank sees only its own, as device 0; with every GPU of the node visible this is LOCAL_RANK
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
     timeout = timedelta(minutes=timeout_minutes or DEFAULT_TIMEOUT_MINUTES)
     if "RANK" in os.environ:  # torchrun (or a launcher that sets the env:// variables)
         net.bind_gloo_to_route()  # before any gloo group: each reads GLOO_SOCKET_IFNAME when made

@@ -11,9 +11,15 @@ check is relative to what this model and these kernels give, not a constant tune
 model.
 
 Engines pushed through vLLM's weight-transfer API also answer ``weight_version`` (``/weight_info``)
-and ``weight_checksums`` (``/weight_checker``): the probe first checks that each holds the version
+and ``weight_checksums`` (``/weight_checker``): the probe checks that each holds the version
 pushed and that its checksums equal the trainer's own of the pushed tensors that vLLM keeps as
 they are (``transfer.compare_checksums``); a mismatch names the engine and the tensor.
+
+Order: the trainer's probe forward runs first, on every rank (it is collective: TP all-gathers, PP
+send/recv, EP dispatch). Only then does rank 0, which holds the engine, do what may raise on it alone
+(the weight check, the engine's scoring), so its error reaches the other ranks through the verdict
+the trainer broadcasts (``GRPOTrainer._probe_once``) instead of leaving them in the forward until the
+collective timeout; nor do they wait inside the forward while vLLM hashes the model.
 """
 
 from __future__ import annotations
@@ -96,10 +102,11 @@ def check_parity(engine, probe: ProbeBatch, trainer_scores: Callable[[ProbeBatch
     """Scores ``probe`` with every engine replica (``score_replicas``: each engine of a pool) and,
     once, the trainer; raises ``ParityError`` naming the first replica whose mean or max |diff|
     exceeds its limit (``limits``). Returns the worst replica's diffs and, with a baseline, their
-    ratio to it (``sync/logprob_diff_vs_baseline``). ``checksums``: also ``check_weights``."""
+    ratio to it (``sync/logprob_diff_vs_baseline``). ``checksums``: also ``check_weights``, after the
+    trainer's forward (collective over every rank: see the module docstring)."""
+    ours = trainer_scores(probe)
     if checksums:
         check_weights(engine, version)
-    ours = trainer_scores(probe)
     replicas = getattr(engine, "score_replicas", None)
     scored = replicas(probe.sequences, probe.prompt_lens) if replicas else [
         (None, engine.score(probe.sequences, probe.prompt_lens))]

@@ -78,20 +78,23 @@ def engine_placement(g, world_size: int, local_world_size: Optional[int] = None,
     colocated engine e shares the devices of local ranks e*TP ... e*TP+TP-1; dedicated engines take
     the node's GPUs after the trainer's; servers are ``g.urls``. ``num_local_gpus``: the GPUs rank 0's
     node has (None on CPU, where engines that outnumber the ranks just share the cores); on GPU an
-    engine that would not fit is a ``ValueError``, never a silent wrap onto the trainer's GPUs."""
+    engine that would not fit is a ``ValueError``, never a silent wrap onto the trainer's GPUs. A trainer
+    rank's GPU is LOCAL_RANK % the visible GPUs (``parallel.state.init_distributed``, Megatron-LM's rule),
+    so the trainer's are the first min(local ranks, visible GPUs) of them."""
     tp, local = g.tensor_parallel_size, local_world_size or world_size
     need = g.num_engines * tp
     if not g.urls and num_local_gpus is not None:
         _check_fit(g, need, local, num_local_gpus)
+    gpus = num_local_gpus or local
     slots = []
     for e in range(g.num_engines):
+        ranks = [(e * tp + k) % local for k in range(tp)]
         if g.urls:
             slots.append(EngineSlot(e, [], None, g.urls[e]))
         elif g.colocated:
-            slots.append(EngineSlot(e, sorted({(e * tp + k) % local for k in range(tp)}),
-                                    [(e * tp + k) % local for k in range(tp)]))
+            slots.append(EngineSlot(e, sorted(set(ranks)), [r % gpus for r in ranks]))
         else:
-            slots.append(EngineSlot(e, [], [local + e * tp + k for k in range(tp)]))
+            slots.append(EngineSlot(e, [], [min(local, gpus) + e * tp + k for k in range(tp)]))
     return slots
 
 
@@ -102,8 +105,15 @@ def _check_fit(g, need: int, local: int, num_local_gpus: int) -> None:
         raise ValueError(f"{what} for colocated engines, but rank 0's node runs {local} trainer rank(s) "
                          f"(LOCAL_WORLD_SIZE): rank 0 spawns every engine on its own node. Lower generation.num_engines "
                          "or tensor_parallel_size, or run engines on other nodes (generation.server_urls)")
-    if not g.colocated and local + need > num_local_gpus:
-        raise ValueError(f"{what} for dedicated engines after the trainer's {local} on rank 0's node, which has "
+    if g.colocated and need > num_local_gpus:
+        raise ValueError(f"{what} for colocated engines on the GPUs of local ranks 0..{need - 1}, but rank 0 sees "
+                         f"{num_local_gpus} GPU(s) (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}"
+                         "; one GPU per task as under srun --gpus-per-task=1?) and spawns every engine: make the node's "
+                         "GPUs visible to each rank (srun --gpus-per-node), or lower generation.num_engines or "
+                         "tensor_parallel_size")
+    trainer_gpus = min(local, num_local_gpus)
+    if not g.colocated and trainer_gpus + need > num_local_gpus:
+        raise ValueError(f"{what} for dedicated engines after the trainer's {trainer_gpus} on rank 0's node, which has "
                          f"{num_local_gpus}: free GPUs there (fewer trainer ranks per node), set generation.colocated="
                          "true, or run engines on other nodes (generation.server_urls)")
 

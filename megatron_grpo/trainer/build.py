@@ -80,7 +80,7 @@ class TrainContext:
 
 def build_context(cfg: Config) -> TrainContext:
     """Initialises distributed state and builds model, optimizer, generator, data and reward."""
-    configure_fp32_matmul(to_dtype(cfg.policy.precision.compute_dtype))  # before CUDA/cuBLAS initialise
+    configure_fp32_matmul(to_dtype(cfg.policy.precision.compute_dtype), fp32_roles(cfg))  # before CUDA/cuBLAS start
     state.init_distributed(timeout_minutes=cfg.cluster.distributed_timeout_minutes)
 
     layout = layout_of(cfg, dist.get_world_size())
@@ -124,6 +124,37 @@ def build_context(cfg: Config) -> TrainContext:
         probe=ProbeBatch.synthetic(shape.vocab_size, seed=cfg.grpo.seed), eos_id=eos_id,
         pad_id=eos_id, tokenizer=tokenizer, tp_group=tp_group, dp_group=dp_group,
         dp_rank=ps.get_data_parallel_rank(), dp_size=ps.get_data_parallel_world_size(), rank=rank)
+
+
+def fp32_roles(cfg: Config) -> List[str]:
+    """The keys that ask this process for fp32 GEMMs (under Transformer Engine TF32 unless
+    ``NVIDIA_TF32_OVERRIDE=0``, so any one turns TF32 off: ``configure_fp32_matmul``): the trainer's
+    compute; the shadow forward; the generation dtype where the trainer's model runs it (the megatron
+    generator, the parity probe's trainer side); the MoE router gate (Megatron's and the shadow's)."""
+    p, g = cfg.policy.precision, cfg.generation
+    moe = _policy_is_moe(cfg)
+    wanted = {
+        "policy.precision.compute_dtype": p.compute_dtype == "float32",
+        "policy.precision.shadow_dtype": p.needs_shadow and p.shadow_dtype == "float32",
+        "policy.precision.generation_dtype": p.generation_dtype == "float32" and (
+            g.backend == "megatron" or g.parity_probe_every > 0),
+        "policy.megatron_cfg.moe_router_dtype": moe and cfg.policy.megatron_cfg.moe_router_dtype == "fp32",
+        "policy.precision.shadow_router_dtype": moe and p.shadow_router_dtype == "float32",
+    }
+    return [key for key, fp32 in wanted.items() if fp32]
+
+
+def _policy_is_moe(cfg: Config) -> bool:
+    """Read before anything starts CUDA (and before rank 0 makes the default model): the tiny models by
+    name, else the checkpoint's config.json; True when that cannot be read yet (build_context fails on
+    it soon after, and true fp32 costs nothing where no fp32 GEMM runs)."""
+    name = cfg.policy.model_name
+    if not name or name.startswith("tiny:"):
+        return bool(name) and "moe" in name
+    try:
+        return shape_from_hf(load_hf_config(name)).is_moe
+    except (OSError, ValueError, KeyError):
+        return True
 
 
 def _model_dir_everywhere(cfg: Config) -> str:

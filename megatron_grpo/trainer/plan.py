@@ -10,7 +10,8 @@ or distributed; both columns shown, ``total`` counts the recipe's). Estimates: a
 eq. 1-2: s*b*h*(34 + 5*a*s/h) bytes per layer in 16-bit, split over TP as sequence parallelism
 splits them), the logits and the log-prob chunk
 buffers (upper bounds: every sequence padded to ``generation.max_model_len``), and the generator
-(vLLM's reservation, or weights + KV cache).
+(vLLM's reservation, or weights + KV cache). Stated allowances: vLLM's nccl packed buffers on rank 0 (their
+size is vLLM's default) and a runtime headroom for what no term counts (CUDA context, NCCL, fragmentation).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from typing import Dict, List, Optional, Tuple
 from megatron_grpo.config.schema import DTYPES, Config
 from megatron_grpo.models.qwen3 import ModelShape, resolve_sequence_parallel
 from megatron_grpo.parallel.logprobs import DEFAULT_CHUNK_SIZE
+from megatron_grpo.rollout.transfer.transport import resolve_transport
 
 GIB = 1024 ** 3
 MC = "policy.megatron_cfg."
@@ -336,6 +338,41 @@ def _push_term(cfg: Config, shape: ModelShape) -> Term:
                 "full), in the generation dtype; other ranks hold none")
 
 
+VLLM_PACKED_BUFFER_BYTES, VLLM_PACKED_NUM_BUFFERS = GIB, 2
+"""vLLM's nccl weight transfer (``distributed/weight_transfer/packed_tensor.py``, DEFAULT_PACKED_BUFFER_SIZE_BYTES
+and DEFAULT_PACKED_NUM_BUFFERS, which our ``NCCLTrainerInitInfo`` keeps): trainer rank 0 packs the pushed tensors
+into this many uint8 buffers in flight, each closed once it exceeds the size (so up to one tensor more)."""
+RUNTIME_HEADROOM_BYTES = 4 * GIB
+"""Per rank, what no term counts: the CUDA context with cuBLAS / Transformer Engine workspaces (~1 GiB on an
+H100), NCCL's communicator buffers (Megatron's TP / DP / EP / expert-DP / PP groups and rank 0's group with the
+generator, a few hundred MiB each, more with NVLink SHARP) and the caching allocator's fragmentation (a few % of
+the device; PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True lowers it). A stated allowance, not a measurement."""
+
+
+def _uses_nccl_transport(cfg: Config, world_size: int) -> bool:
+    """The push goes through vLLM's nccl engine on a GPU cluster (``generation.weight_transfer`` nccl, or
+    auto with dedicated ``vllm_server`` engines)."""
+    g = cfg.generation
+    if g.backend == "megatron" or g.weight_transfer not in ("auto", "nccl"):
+        return False
+    return resolve_transport(g.weight_transfer, g.backend, colocated=bool(g.colocated), cuda=True,
+                             trainer_ranks=world_size, num_engines=g.num_engines,
+                             tensor_parallel_size=g.tensor_parallel_size) == "nccl"
+
+
+def _packed_term(cfg: Config, shape: ModelShape) -> Term:
+    tensor = largest_hf_tensor(shape) * DTYPES[cfg.policy.precision.generation_dtype].itemsize
+    return Term("vLLM nccl packed buffers", VLLM_PACKED_NUM_BUFFERS * (VLLM_PACKED_BUFFER_BYTES + tensor),
+                ("generation.weight_transfer",),
+                f"trainer rank 0 only: vLLM's nccl transfer packs the push into {VLLM_PACKED_NUM_BUFFERS} buffers of "
+                f"{VLLM_PACKED_BUFFER_BYTES / GIB:g} GiB in flight, each up to the largest tensor more")
+
+
+def _headroom_term() -> Term:
+    return Term("runtime headroom", RUNTIME_HEADROOM_BYTES, (),
+                "stated allowance: CUDA context + workspaces, NCCL communicator buffers, allocator fragmentation")
+
+
 def _reference_term(cfg: Config, count: ParamCount) -> Term:
     dtype = cfg.policy.precision.params_dtype
     return Term("reference model", DTYPES[dtype].itemsize * count.num_local, ("loss_fn.reference_policy_kl_penalty",)
@@ -388,6 +425,9 @@ def _stage_plan(cfg: Config, shape: ModelShape, world_size: int, stage: int) -> 
         terms.append(_push_term(cfg, shape))
     if stage == 0 and generator_colocated(cfg):
         terms.append(_generator_term(cfg, shape, cfg.cluster.gpu_memory_gib))
+    if stage == 0 and _uses_nccl_transport(cfg, world_size):
+        terms.append(_packed_term(cfg, shape))
+    terms.append(_headroom_term())
     return MemoryPlan(stage=stage, num_stages=pp, dp=dp, expert_dp=expert_dp, terms=terms,
                       distributed_optimizer=cfg.policy.megatron_cfg.optimizer.use_distributed_optimizer,
                       budget_gib=cfg.cluster.gpu_memory_gib)
