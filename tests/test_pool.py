@@ -282,7 +282,8 @@ def test_engines_under_one_visible_gpu_per_task(monkeypatch, tmp_path):
     engine starts (rank 0 spawns every engine and cannot reach the other ranks' GPUs)."""
     import types
 
-    from megatron_grpo import rollout, setup
+    from megatron_grpo import rollout
+    from megatron_grpo.trainer import build as setup
     from megatron_grpo.config.schema import Config, from_dict
 
     seen = []
