@@ -119,13 +119,18 @@ def recv_message(pg, src: int) -> Tuple[int, bytes, Optional[torch.Tensor]]:
 
 
 def pack_bucket(bucket: Bucket) -> Tuple[bytes, torch.Tensor]:
-    """(JSON meta, one uint8 buffer) of a bucket, with vLLM's packer."""
+    """(JSON meta, one uint8 host buffer) of a bucket, with vLLM's packer. Buckets gathered on the
+    trainer's GPU are packed there and copied to host once: gloo's TCP transport reads the buffer
+    through its data pointer, which for a CUDA tensor is a device address (it must never be sent)."""
     from vllm.distributed.weight_transfer.packed_tensor import pack_tensors
 
     chunk = pack_tensors(iter(bucket), lambda item: item[1], buffer_size_bytes=2**62)
     meta = dict(names=chunk.names, dtypes=[str(d).split(".")[-1] for d in chunk.dtypes], shapes=chunk.shapes,
                 sizes=chunk.tensor_sizes)
-    return json.dumps(meta).encode(), chunk.packed_tensor
+    payload = chunk.packed_tensor
+    if payload.device.type != "cpu":
+        payload = payload.cpu()
+    return json.dumps(meta).encode(), payload
 
 
 def unpack_bucket(meta: bytes, payload: torch.Tensor) -> Bucket:
