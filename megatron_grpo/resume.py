@@ -214,8 +214,14 @@ def trainer_state(trainer, rngs, optimizer_step: int, optimizer_state: bool, mai
 
 
 def _scaler_states(opt) -> list:
-    return [o.grad_scaler.state_dict() if getattr(o, "grad_scaler", None) else None
+    """The fp16 loss scalers' state dicts with host tensors: Megatron's scale lives on this rank's
+    GPU, and a CUDA tensor in ``trainer_state.pt`` would be restored onto the GPU it was saved from."""
+    return [_on_host(o.grad_scaler.state_dict()) if getattr(o, "grad_scaler", None) else None
             for o in sharded_state.chained(opt.megatron)]
+
+
+def _on_host(state: dict) -> dict:
+    return {k: v.detach().cpu() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
 
 
 def _agreed_optional_max(value: Optional[int]) -> Optional[int]:
@@ -307,10 +313,13 @@ def find_resume_dir(trainer) -> Optional[str]:
 
 def read_trainer_state(path: str) -> dict:
     """The trainer state of checkpoint ``path``, unpickled with ``weights_only=True``: tensors,
-    numbers, strings, lists and dicts only, so a tampered file cannot run code on resume."""
+    numbers, strings, lists and dicts only, so a tampered file cannot run code on resume. Tensors
+    load into host memory (``map_location="cpu"``), whatever device wrote them (a checkpoint that
+    holds CUDA tensors would otherwise open a context on that GPU from every rank of the node);
+    whoever uses one moves it to its own device (Megatron's scaler: the current device)."""
     file = os.path.join(path, ckpt.STATE_FILE)
     try:
-        return torch.load(file, weights_only=True)
+        return torch.load(file, map_location="cpu", weights_only=True)
     except Exception as exc:  # noqa: BLE001 - UnpicklingError, EOFError, RuntimeError, ...
         raise ckpt.CheckpointError(f"{file}: cannot be loaded as plain data (weights_only=True): "
                                    f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}") from exc

@@ -571,3 +571,65 @@ def test_tampered_trainer_state_cannot_run_code_on_resume(tmp_path):
     torch.save({"step": 3, "rng": [{"torch": torch.get_rng_state()}], "parity": {"sequences": [[1, 2]],
                 "prompt_lens": [1], "baseline": {"sync/logprob_abs_diff_mean": 1e-7}}}, tmp_path / ckpt.STATE_FILE)
     assert read_trainer_state(str(tmp_path))["step"] == 3  # what the trainer saves loads as plain data
+
+
+def _fake_cuda_scale():
+    """Megatron's fp16 loss scale as it lives on a rank's GPU: a tensor that reports cuda:0 (its
+    ``.cpu()`` a plain host copy)."""
+    import torch
+
+    class OnGPU(torch.Tensor):
+        @property
+        def device(self):
+            return torch.device("cuda", 0)
+
+        @property
+        def is_cuda(self):
+            return True
+
+        @classmethod
+        def __torch_function__(cls, func, types, args=(), kwargs=None):
+            if func is torch.Tensor.cpu:
+                with torch._C.DisableTorchFunctionSubclass():
+                    return args[0].clone()
+            return super().__torch_function__(func, types, args, kwargs or {})
+
+    return torch.tensor([65536.0]).as_subclass(OnGPU)
+
+
+def _tag_as_cuda(monkeypatch, tensor):
+    """``torch.save`` writes ``tensor``'s storage with the location tag ``cuda:0``, as on a GPU rank."""
+    import torch
+
+    ptr = tensor.untyped_storage().data_ptr()
+    registry = list(torch.serialization._package_registry)
+    tag = lambda storage: "cuda:0" if storage.data_ptr() == ptr else None  # noqa: E731
+    registry.insert(0, (0, tag, lambda storage, location: None))
+    monkeypatch.setattr(torch.serialization, "_package_registry", registry)
+
+
+def test_fp16_loss_scaler_state_is_saved_and_loaded_in_host_memory(tmp_path, monkeypatch):
+    """The fp16 grad scaler's scale (a CUDA tensor on every rank) goes into ``trainer_state.pt`` as a
+    host tensor, and the file loads with ``map_location="cpu"``: a state saved from cuda:0 (an older
+    checkpoint) loads on a host without touching GPU 0 (here: without CUDA at all)."""
+    from types import SimpleNamespace as NS
+
+    import torch
+
+    from megatron_grpo import resume
+
+    scaler = NS(state_dict=lambda: {"scale": _fake_cuda_scale(), "growth_tracker": 3, "hysteresis_tracker": 2})
+    opt = NS(megatron=NS(chained_optimizers=[NS(grad_scaler=scaler, is_stub_optimizer=False)]),
+             scheduler=NS(state_dict=dict))
+    trainer = NS(ctx=NS(optimizer=opt, sampler=NS(position=4)), step=2, version=2, gate=NS(dropped=0),
+                 consecutive_skips=0, probe=None)
+    state = resume.trainer_state(trainer, [], 2, True, True)
+    (saved,) = state["scalers"]
+    assert type(saved["scale"]) is torch.Tensor and saved["scale"].device.type == "cpu", saved["scale"].device
+    assert saved["scale"].item() == 65536.0 and saved["growth_tracker"] == 3
+    scale = torch.tensor([1024.0])
+    _tag_as_cuda(monkeypatch, scale)
+    torch.save({"step": 2, "scalers": [{"scale": scale, "growth_tracker": 0, "hysteresis_tracker": 2}]},
+               tmp_path / ckpt.STATE_FILE)
+    loaded = resume.read_trainer_state(str(tmp_path))["scalers"][0]["scale"]
+    assert loaded.device.type == "cpu" and loaded.item() == 1024.0
