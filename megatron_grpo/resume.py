@@ -183,6 +183,7 @@ def load_sharded(model, optimizer, path: str, step: int, with_state: bool, main_
     from megatron_grpo.models import unwrap
 
     model_sd = sharded_state.model_sharded_state_dict(model)
+    sharded_state.match_checkpoint_keys(model_sd, sharded_state.checkpoint_keys(path))  # TE <-> local layers
     optim_sd = sharded_state.optimizer_sharded_state_dict(optimizer.megatron, model_sd, with_state,
                                                           for_loading=True, main_params=main_params)
     loaded = dist_checkpointing.load({"model": model_sd, "optimizer": optim_sd}, path)

@@ -38,6 +38,17 @@ from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
 
+NORM_KEY_ALIASES = {
+    "decoder.layers.mlp.linear_fc1.layer_norm_weight": "decoder.layers.pre_mlp_layernorm.weight",
+    "decoder.layers.pre_mlp_layernorm.weight": "decoder.layers.mlp.linear_fc1.layer_norm_weight",
+}
+"""The pre-MLP norm's two checkpoint keys (Megatron-Core 0.16.1's layer specs): the local spec's
+``sharded_state_dict_keys_map`` renames it to Transformer Engine's fused name
+``mlp.linear_fc1.layer_norm_weight`` in every layer, as TE's dense layers save it (the norm is
+part of ``TELayerNormColumnParallelLinear``); TE's MoE layers have a separate ``TENorm`` and a key
+map that renames op-fuser names only, so they save ``pre_mlp_layernorm.weight``. A checkpoint of
+either spec loads into the other (and exports) through this alias. The input norm needs none:
+both specs save it as ``self_attention.linear_qkv.layer_norm_weight``."""
 STATE_PREFIX = "optimizer.state"
 MAIN_PARAM = "fp32_param"
 """The name of the main (fp32) params, as Megatron's own optimizer checkpoints call them."""
@@ -79,6 +90,26 @@ def model_sharded_state_dict(model) -> dict:
     from megatron_grpo.models import unwrap
 
     return unwrap(model).sharded_state_dict()
+
+
+def checkpoint_keys(path: str) -> set:
+    """Every key of the torch_dist checkpoint folder ``path`` (its ``.metadata``; no process group)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    return set(FileSystemReader(path).read_metadata().state_dict_metadata)
+
+
+def match_checkpoint_keys(model_sd: dict, saved: set) -> None:
+    """Renames, in place, the model's ``ShardedTensor`` keys that the checkpoint holds under the
+    other spec's name (``NORM_KEY_ALIASES``), so a checkpoint of TE layers loads into local layers and
+    the reverse; the optimizer's keys, built from these, follow."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    for value in nested_values(model_sd):
+        alias = NORM_KEY_ALIASES.get(value.key) if isinstance(value, ShardedTensor) else None
+        if alias is not None and value.key not in saved and alias in saved:
+            value.key = alias
 
 
 def chained(optimizer) -> List:
