@@ -579,3 +579,154 @@ def test_tampered_trainer_state_cannot_run_code_on_resume(tmp_path):
     torch.save({"step": 3, "rng": [{"torch": torch.get_rng_state()}], "parity": {"sequences": [[1, 2]],
                 "prompt_lens": [1], "baseline": {"sync/logprob_abs_diff_mean": 1e-7}}}, tmp_path / ckpt.STATE_FILE)
     assert read_trainer_state(str(tmp_path))["step"] == 3  # what the trainer saves loads as plain data
+
+
+def _fake_cuda_scale():
+    """Megatron's fp16 loss scale as it lives on a rank's GPU: a tensor that reports cuda:0 (its
+    ``.cpu()`` a plain host copy)."""
+    import torch
+
+    class OnGPU(torch.Tensor):
+        @property
+        def device(self):
+            return torch.device("cuda", 0)
+
+        @property
+        def is_cuda(self):
+            return True
+
+        @classmethod
+        def __torch_function__(cls, func, types, args=(), kwargs=None):
+            if func is torch.Tensor.cpu:
+                with torch._C.DisableTorchFunctionSubclass():
+                    return args[0].clone()
+            return super().__torch_function__(func, types, args, kwargs or {})
+
+    return torch.tensor([65536.0]).as_subclass(OnGPU)
+
+
+def _tag_as_cuda(monkeypatch, tensor):
+    """``torch.save`` writes ``tensor``'s storage with the location tag ``cuda:0``, as on a GPU rank."""
+    import torch
+
+    ptr = tensor.untyped_storage().data_ptr()
+    registry = list(torch.serialization._package_registry)
+    tag = lambda storage: "cuda:0" if storage.data_ptr() == ptr else None  # noqa: E731
+    registry.insert(0, (0, tag, lambda storage, location: None))
+    monkeypatch.setattr(torch.serialization, "_package_registry", registry)
+
+
+def test_fp16_loss_scaler_state_is_saved_and_loaded_in_host_memory(tmp_path, monkeypatch):
+    """The fp16 grad scaler's scale (a CUDA tensor on every rank) goes into ``trainer_state.pt`` as a
+    host tensor, and the file loads with ``map_location="cpu"``: a state saved from cuda:0 (an older
+    checkpoint) loads on a host without touching GPU 0 (here: without CUDA at all)."""
+    from types import SimpleNamespace as NS
+
+    import torch
+
+    from megatron_grpo.checkpoint import resume
+
+    scaler = NS(state_dict=lambda: {"scale": _fake_cuda_scale(), "growth_tracker": 3, "hysteresis_tracker": 2})
+    opt = NS(megatron=NS(chained_optimizers=[NS(grad_scaler=scaler, is_stub_optimizer=False)]),
+             scheduler=NS(state_dict=dict))
+    trainer = NS(ctx=NS(optimizer=opt, sampler=NS(position=4)), step=2, version=2, gate=NS(dropped=0),
+                 consecutive_skips=0, probe=None)
+    state = resume.trainer_state(trainer, [], 2, True, True)
+    (saved,) = state["scalers"]
+    assert type(saved["scale"]) is torch.Tensor and saved["scale"].device.type == "cpu", saved["scale"].device
+    assert saved["scale"].item() == 65536.0 and saved["growth_tracker"] == 3
+    scale = torch.tensor([1024.0])
+    _tag_as_cuda(monkeypatch, scale)
+    torch.save({"step": 2, "scalers": [{"scale": scale, "growth_tracker": 0, "hysteresis_tracker": 2}]},
+               tmp_path / ckpt.STATE_FILE)
+    loaded = ckpt.read_trainer_state(str(tmp_path))["scalers"][0]["scale"]
+    assert loaded.device.type == "cpu" and loaded.item() == 1024.0
+
+
+# Megatron-Core 0.16.1's keys maps (gpt_layer_specs.py). TE's dense and MoE layers: the input norm is
+# fused into linear_qkv (TELayerNormColumnParallelLinear, saved as linear_qkv.layer_norm_weight), so a
+# local-spec model stands in for them with that rename added; TE's dense pre-MLP norm is fused into
+# linear_fc1 the same way, its MoE one is a separate TENorm that TE's map (op-fuser names only) keeps
+# as pre_mlp_layernorm.weight.
+_TE_OP_FUSER_MAP = {"mlp.0.weight": "mlp.linear_fc1.layer_norm_weight", "mlp.0.bias": "mlp.linear_fc1.layer_norm_bias",
+                    "mlp.1.basic_ops.0.weight": "mlp.linear_fc1.weight", "mlp.1.basic_ops.1.bias": "mlp.linear_fc1.bias",
+                    "mlp.3.basic_ops.0.weight": "mlp.linear_fc2.weight", "mlp.3.basic_ops.1.bias": "mlp.linear_fc2.bias"}
+KEY_MAPS = {
+    "local": {"input_layernorm.": "self_attention.linear_qkv.layer_norm_",
+              "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"},
+    "te-dense": {**_TE_OP_FUSER_MAP, "input_layernorm.": "self_attention.linear_qkv.layer_norm_",
+                 "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"},
+    "te-moe": {**_TE_OP_FUSER_MAP, "input_layernorm.": "self_attention.linear_qkv.layer_norm_"},
+}
+CROSS_SPEC = [("moe", "te-moe", "local"), ("moe", "local", "te-moe"), ("dense", "te-dense", "local"),
+              ("dense", "local", "te-dense")]
+
+
+def _use_keys_map(model, name):
+    import dataclasses
+
+    from megatron_grpo.models import unwrap
+
+    for layer in unwrap(model).decoder.layers:
+        layer.submodules_config = dataclasses.replace(layer.submodules_config,
+                                                      sharded_state_dict_keys_map=dict(KEY_MAPS[name]))
+
+
+def _cross_spec_worker(models, root):
+    """1 rank: for each (model, saving spec's keys, loading spec's keys): a step, a save, the
+    checkpoint's norm keys, a fresh model with the other keys map loading it, its weights and
+    optimizer moments against the saved ones, and the HF export's post-attention norms."""
+    import torch
+    from safetensors import safe_open
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from megatron_grpo.checkpoint import resume, sharded_state
+    from megatron_grpo.checkpoint.export import export_hf
+    from megatron_grpo.models import unwrap
+
+    out = {}
+    for model, save_map, load_map in CROSS_SPEC:
+        name, ck = f"{model}-{save_map}-to-{load_map}", os.path.join(root, f"{model}-{save_map}-to-{load_map}")
+        st, rows = _build(models[model], {}, [])
+        _use_keys_map(st.model, save_map)
+        _train_step(st, rows, 1)
+        path = resume.save_checkpoint(_trainer(st, models[model], ck, 1))
+        keys = sorted(k for k in FileSystemReader(path).read_metadata().state_dict_metadata
+                      if "norm" in k and "optimizer" not in k)
+        again, _ = _build(models[model], {}, [])
+        _use_keys_map(again.model, load_map)
+        resume.load_checkpoint(_trainer(again, models[model], ck, 0), path)
+        saved = dict(unwrap(st.model).named_parameters())
+        weights = all(torch.equal(p, saved[n]) for n, p in unwrap(again.model).named_parameters())
+        moments = [(a.state["exp_avg"], b.state["exp_avg"]) for a, b in zip(
+            sharded_state.param_states(st.optimizer.megatron), sharded_state.param_states(again.optimizer.megatron))]
+        report = export_hf(path, os.path.join(root, f"{name}-hf"))
+        norms = {}
+        for f in report.files:
+            with safe_open(os.path.join(root, f"{name}-hf", f), "pt") as st_file:
+                norms.update({k: st_file.get_tensor(k) for k in st_file.keys() if "post_attention_layernorm" in k})
+        expected = {f"model.layers.{i}.post_attention_layernorm.weight": layer.pre_mlp_layernorm.weight.detach()
+                    for i, layer in enumerate(unwrap(st.model).decoder.layers)}
+        out[name] = dict(keys=keys, weights=weights, moments=all(torch.equal(a, b) for a, b in moments),
+                         num_moments=len(moments), norms=sorted(norms) == sorted(expected)
+                         and all(torch.equal(norms[k], v) for k, v in expected.items()))
+    return out
+
+
+def test_te_and_local_layer_checkpoints_load_into_each_other_and_export(tmp_path, tiny_dense, tiny_moe):
+    """Checkpoints keyed as Transformer Engine's layer specs key them (MoE: the pre-MLP norm as
+    ``pre_mlp_layernorm.weight``, a separate TENorm; dense: fused, ``mlp.linear_fc1.layer_norm_weight``),
+    written by local-spec models with TE's keys map, load into local-spec models (and local checkpoints
+    into TE-keyed models) with the same weights and Adam moments, and ``export-hf`` writes each layer's
+    post-attention norm from them."""
+    from tests._dist import run_distributed
+
+    out = run_distributed(_cross_spec_worker, 1, {"dense": tiny_dense, "moe": tiny_moe}, str(tmp_path / "ck"))[0]
+    norm_keys = {"te-moe": "decoder.layers.pre_mlp_layernorm.weight",
+                 "local": "decoder.layers.mlp.linear_fc1.layer_norm_weight",
+                 "te-dense": "decoder.layers.mlp.linear_fc1.layer_norm_weight"}
+    for model, save_map, load_map in CROSS_SPEC:
+        got = out[f"{model}-{save_map}-to-{load_map}"]
+        assert norm_keys[save_map] in got["keys"] and "decoder.layers.self_attention.linear_qkv.layer_norm_weight" \
+            in got["keys"], got["keys"]
+        assert got["weights"] and got["moments"] and got["num_moments"] > 0 and got["norms"], (model, save_map, got)

@@ -1,5 +1,6 @@
 """The precision doctor on recorded (synthetic) metrics.jsonl files: a matched bf16 run is healthy,
-an fp32-vs-bf16 run gets phantom clipping and the ranked fixes, growth and masking are flagged."""
+an fp32-vs-bf16 run gets phantom clipping and the ranked fixes (a short one a mismatch warning), growth
+and masking are flagged."""
 
 import json
 import math
@@ -81,12 +82,36 @@ def test_mismatch_run_names_phantom_clipping_dtypes_and_ranked_fixes(mismatch_ru
     assert "Fixes, strongest first:" in out and "1. fp16 training" in out
 
 
+def test_a_short_mismatched_run_is_never_called_healthy(tmp_path, capsys):
+    """3 steps of an fp32 trainer against a bf16 generator, little damage so far (mean |beta| 1.5e-3,
+    0.3% of gradients zeroed): the mismatch is named with its measured severity and the write-up's
+    fixes in order; without config.yaml a non-zero beta still names it."""
+    rows = [step_row(s, beta=1.5e-3, phantom=0.003) for s in range(1, 4)]
+    run = write_run(tmp_path / "fp32-vs-bf16-3steps", rows, precision_config("float32", "bfloat16"))
+    findings = diagnose(read_metrics(run), read_config(run))
+    assert [(f.kind, f.severity) for f in findings] == [("precision_mismatch", "warning")]
+    message = findings[0].message
+    assert "the trainer computes in float32 while the generator runs bfloat16" in message
+    assert "mean |beta| 1.50e-03" in message and "zeroes 0.3% of token gradients" in message
+    assert "over 3 steps" in message
+    expected = ["policy.precision.compute_dtype=float16 policy.precision.generation_dtype=float16",
+                "policy.precision.compute_dtype=bfloat16", "loss_fn.ratio=shadow",
+                "loss_fn.ratio_clip_min=10 loss_fn.ratio_clip_max=10", "loss_fn.clip=detach_center"]
+    assert len(findings[0].fixes) == len(expected)
+    assert all(fix.endswith(override) for fix, override in zip(findings[0].fixes, expected))
+    assert doctor.doctor(run) == 1
+    out = capsys.readouterr().out
+    assert "healthy" not in out and "warning: " in out and "1. fp16 training" in out
+    bare = write_run(tmp_path / "noconfig", rows)
+    assert [f.kind for f in diagnose(read_metrics(bare), None)] == ["precision_mismatch"]
+
+
 def test_phantom_threshold_is_strict(tmp_path):
     below = [step_row(s, beta=0.01, phantom=0.9 * doctor.PHANTOM_ZERO_GRAD) for s in range(1, 7)]
     above = [step_row(s, beta=0.01, phantom=1.5 * doctor.PHANTOM_ZERO_GRAD) for s in range(1, 7)]
     config = precision_config("float32", "bfloat16")
-    assert diagnose(below, config) == []
-    assert [f.kind for f in diagnose(above, config)] == ["phantom_clipping"]
+    assert [(f.kind, f.severity) for f in diagnose(below, config)] == [("precision_mismatch", "warning")]
+    assert [f.kind for f in diagnose(above, config)] == ["phantom_clipping"]  # it names the precisions
 
 
 def test_fixes_already_in_effect_are_left_out():
@@ -112,8 +137,8 @@ def test_growing_parity_drift_is_flagged(tmp_path):
 def test_growing_beta_is_flagged():
     rows = [step_row(s, beta=0.002 * s) for s in range(1, 13)]
     findings = diagnose(rows, precision_config("float32", "bfloat16"))
-    assert [f.kind for f in findings] == ["beta_growing"]
-    assert "NeMo-RL #1801" in findings[0].message
+    assert [f.kind for f in findings] == ["precision_mismatch", "beta_growing"]
+    assert "NeMo-RL #1801" in findings[1].message
 
 
 def test_moe_routing_mismatch_and_masking_correction(tmp_path):

@@ -611,15 +611,29 @@ def test_zero_grad_fraction_equals_autograd_zeros_for_every_family(family):
         assert zero > 0
 
 
+def test_verl_sequence_metrics_average_over_every_row_an_empty_one_adding_its_zero():
+    """verl's ``rollout_corr/log_ppl_abs_diff`` and ``chi2_seq`` (``compute_offpolicy_metrics``) are
+    batch means over every row: an empty completion adds |0| and e^0 = 1; per-token log-ratios are
+    not clamped (only the sequence sum, for chi2_seq). Hand-computed, lr = train - gen:
+    row 0 lr (0.5, -1), means gen -1.25, train -1.5; row 1 one token, lr -0.3; row 2 empty;
+    row 3 lr (25, -10)."""
+    train = torch.tensor([[-1.0, -2.0], [-0.5, -9.0], [-3.0, -4.0], [-5.0, -20.0]], dtype=torch.float64)
+    gen = torch.tensor([[-1.5, -1.0], [-0.2, -1.0], [-1.0, -1.0], [-30.0, -10.0]], dtype=torch.float64)
+    mask = torch.tensor([[True, True], [True, False], [False, False], [True, True]])
+    _, m = policy_loss(train, gen, torch.zeros(4, dtype=torch.float64), mask, LossConfig(), shadow_log_probs=train)
+    assert m["compat/rollout_corr/log_ppl_abs_diff"].item() == pytest.approx((0.25 + 0.3 + 0.0 + 7.5) / 4, rel=1e-6)
+    chi2_seq = (math.exp(-1.0) + math.exp(-0.6) + 1.0 + math.exp(30.0)) / 4 - 1.0
+    assert m["compat/rollout_corr/chi2_seq"].item() == pytest.approx(chi2_seq, rel=1e-6)
+
+
 def test_peer_mismatch_metrics_match_their_definitions():
     """NeMo-RL's and verl's names, from the trainer's own log-probs (train) and the generator's."""
     lp, old, shadow, adv, mask = _edge_batch(beta_scale=0.4)
     _, m = policy_loss(lp, old, adv, mask, LossConfig(), shadow_log_probs=shadow)
     v = mask
     lr = lp - old
-    rows = mask.any(-1)
-    seq_lr = (lr * mask).sum(-1)[rows]
-    n_tok = mask.sum(-1)[rows]
+    seq_lr = (lr * mask).sum(-1)  # verl: every row (row 4 is empty: lr sum 0)
+    n_tok = mask.sum(-1).clamp(min=1)
     expected = {
         "compat/token_mult_prob_error": torch.exp((old - lp).abs())[v].mean(),
         "compat/gen_kl_error": (torch.exp(lr) - 1 - lr)[v].mean(),
@@ -628,8 +642,7 @@ def test_peer_mismatch_metrics_match_their_definitions():
         "compat/rollout_corr/k3_kl": (torch.exp(lr) - 1 - lr)[v].mean(),
         "compat/rollout_corr/chi2_token": (torch.exp(lr) ** 2)[v].mean() - 1,
         "compat/rollout_corr/chi2_seq": torch.exp(2 * seq_lr).mean() - 1,
-        "compat/rollout_corr/log_ppl_abs_diff": ((old * mask).sum(-1)[rows] / n_tok
-                                                  - (lp * mask).sum(-1)[rows] / n_tok).abs().mean(),
+        "compat/rollout_corr/log_ppl_abs_diff": ((old * mask).sum(-1) / n_tok - (lp * mask).sum(-1) / n_tok).abs().mean(),
     }
     for name, value in expected.items():
         assert m[name].item() == pytest.approx(value.item(), rel=1e-5, abs=1e-6), name

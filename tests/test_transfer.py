@@ -91,6 +91,60 @@ def test_two_pipeline_stage_senders_feed_one_receiver_and_an_abort_names_the_sen
     assert out[("send", 0)] is None and "gather failed" in str(out[("send", 1)])  # stage 0 finished: drained
 
 
+class _OnFakeGPU(torch.Tensor):
+    """A tensor that says it lives on cuda:0 (a bucket gathered on the trainer's GPU); copying it to
+    host (``.cpu()`` / ``.to("cpu")``) gives a plain CPU tensor."""
+
+    @property
+    def device(self):
+        return torch.device("cuda", 0)
+
+    @property
+    def is_cuda(self):
+        return True
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        to_host = func is torch.Tensor.cpu or (func is torch.Tensor.to and any(
+            str(a) == "cpu" for a in list(args[1:]) + list(kwargs.values())))
+        if to_host:
+            with torch._C.DisableTorchFunctionSubclass():
+                return args[0].clone()
+        return super().__torch_function__(func, types, args, kwargs)
+
+
+class _RecordingGroup:
+    """A gloo group that records what each ``send`` would hand to gloo's TCP transport."""
+
+    def __init__(self):
+        self.sent = []
+
+    def send(self, tensors, dst, tag):
+        self.sent.extend(tensors)
+        return namedtuple("Work", "wait")(lambda: True)
+
+
+def test_gloo_sends_buckets_of_cuda_tensors_from_host_memory(monkeypatch):
+    """weight_transfer=gloo with buckets on the trainer's GPU (cuda=True): every buffer handed to
+    gloo is a host tensor (gloo would otherwise read the device pointer as host memory), with the
+    bucket's bytes."""
+    pytest.importorskip("vllm")
+    from megatron_grpo.rollout.transfer import gloo_transfer as gt
+
+    assert resolve_transport("gloo", "vllm_server", colocated=False, cuda=True) == "gloo"
+    group = _RecordingGroup()
+    monkeypatch.setattr(gt, "open_group", lambda *args: group)
+    bucket = [(name, t.as_subclass(_OnFakeGPU)) for name, t in _buckets(0)[0]]
+    assert all(t.is_cuda for _, t in bucket)
+    gt.GlooSender(gt.TransferEndpoint("127.0.0.1", 1, num_workers=2)).send_buckets([bucket])
+    assert len(group.sent) == 2 * 4  # per worker: header, meta, payload; then END's header
+    assert [(type(t), t.device.type) for t in group.sent] == [(torch.Tensor, "cpu")] * len(group.sent)
+    meta, payload = bytes(group.sent[1].numpy()), group.sent[2]
+    got = dict(gt.unpack_bucket(meta, payload))
+    assert all(torch.equal(got[name], t) for name, t in _buckets(0)[0])
+
+
 def test_gloo_trainer_engine_through_vllms_factory_drives_the_client_in_order():
     """``register()`` (the entry point) puts gloo in both of vLLM's factories; the trainer engine from
     ``WeightTransferTrainerFactory.trainer_init`` does the handshake and one round per push: start,

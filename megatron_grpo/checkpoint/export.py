@@ -30,6 +30,7 @@ from torch.distributed.checkpoint.utils import _create_file_view
 
 from megatron_grpo.checkpoint import folders as ckpt
 from megatron_grpo.checkpoint.folders import (
+    NORM_KEY_ALIASES,
     CheckpointError,  # noqa: F401  (export-hf's error)
     read_trainer_state,
 )
@@ -42,8 +43,9 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 _SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 _LAYER_RENAMES = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
                   "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight"}
-"""Megatron's local layer spec saves its norms under Transformer Engine's names (the spec's
-``sharded_state_dict_keys_map``), so checkpoints do not depend on the backend."""
+"""Megatron's local layer spec saves its norms under Transformer Engine's fused names (the spec's
+``sharded_state_dict_keys_map``); TE's MoE layers save their pre-MLP norm as ``pre_mlp_layernorm.weight``
+(a separate ``TENorm``): ``checkpoint_key`` takes whichever the checkpoint holds (``NORM_KEY_ALIASES``)."""
 _NOT_WEIGHTS = (".safetensors", ".bin", ".pt", ".pth", ".msgpack", ".h5")
 MAIN_PARAM_PREFIX = "optimizer.state.fp32_param."
 
@@ -139,16 +141,21 @@ class DistCheckpointReader:
         return meter.hold(tensor)
 
 
-def checkpoint_key(mcore_name: str) -> Tuple[str, Tuple[int, ...]]:
+def checkpoint_key(mcore_name: str, saved=()) -> Tuple[str, Tuple[int, ...]]:
     """The checkpoint key and leading index of a (TP = EP = 1) Megatron parameter name:
-    layers are stacked on a leading axis, experts on a second one."""
+    layers are stacked on a leading axis, experts on a second one. ``saved``: the checkpoint's keys;
+    where it holds the key under the other layer spec's name only, that name."""
     if not mcore_name.startswith("decoder.layers."):
         return mcore_name, ()
     layer, rest = mcore_name[len("decoder.layers."):].split(".", 1)
     if rest.startswith("mlp.experts.local_experts."):
         expert, tail = rest[len("mlp.experts.local_experts."):].split(".", 1)
         return f"decoder.layers.mlp.experts.experts.{tail}", (int(layer), int(expert))
-    return f"decoder.layers.{_LAYER_RENAMES.get(rest, rest)}", (int(layer),)
+    key = f"decoder.layers.{_LAYER_RENAMES.get(rest, rest)}"
+    alias = NORM_KEY_ALIASES.get(key)
+    if alias is not None and key not in saved and alias in saved:
+        return alias, (int(layer),)
+    return key, (int(layer),)
 
 
 def _units(shape) -> Iterator[Tuple[str, list]]:
@@ -247,7 +254,7 @@ def _export_unit(reader: DistCheckpointReader, maps, shape, dtype, meter: _Meter
 def _convert_param(reader: DistCheckpointReader, pm, shape, dtype, meter: _Meter, used: set):
     """One Megatron parameter's HF tensors in ``dtype`` (views of the loaded tensor where no copy
     is needed) and the bytes read for it."""
-    key, index = checkpoint_key(pm.mcore_name)
+    key, index = checkpoint_key(pm.mcore_name, reader.tensors)
     main = MAIN_PARAM_PREFIX + key
     source = main if main in reader.tensors else key
     used.update({key, main} & set(reader.tensors))

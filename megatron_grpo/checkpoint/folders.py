@@ -312,10 +312,26 @@ def set_rng_state(state: Dict) -> None:
 
 def read_trainer_state(path: str) -> dict:
     """The trainer state of checkpoint ``path``, unpickled with ``weights_only=True``: tensors,
-    numbers, strings, lists and dicts only, so a tampered file cannot run code on resume."""
+    numbers, strings, lists and dicts only, so a tampered file cannot run code on resume. Tensors
+    load into host memory (``map_location="cpu"``), whatever device wrote them (a checkpoint that
+    holds CUDA tensors would otherwise open a context on that GPU from every rank of the node);
+    whoever uses one moves it to its own device (Megatron's scaler: the current device)."""
     file = os.path.join(path, STATE_FILE)
     try:
-        return torch.load(file, weights_only=True)
+        return torch.load(file, map_location="cpu", weights_only=True)
     except Exception as exc:  # noqa: BLE001 - UnpicklingError, EOFError, RuntimeError, ...
         raise CheckpointError(f"{file}: cannot be loaded as plain data (weights_only=True): "
                                    f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}") from exc
+
+
+NORM_KEY_ALIASES = {
+    "decoder.layers.mlp.linear_fc1.layer_norm_weight": "decoder.layers.pre_mlp_layernorm.weight",
+    "decoder.layers.pre_mlp_layernorm.weight": "decoder.layers.mlp.linear_fc1.layer_norm_weight",
+}
+"""The pre-MLP norm's two checkpoint keys (Megatron-Core 0.16.1's layer specs): the local spec's
+``sharded_state_dict_keys_map`` renames it to Transformer Engine's fused name
+``mlp.linear_fc1.layer_norm_weight`` in every layer, as TE's dense layers save it (the norm is
+part of ``TELayerNormColumnParallelLinear``); TE's MoE layers have a separate ``TENorm`` and a key
+map that renames op-fuser names only, so they save ``pre_mlp_layernorm.weight``. A checkpoint of
+either spec loads into the other (and exports) through this alias. The input norm needs none:
+both specs save it as ``self_attention.linear_qkv.layer_norm_weight``."""

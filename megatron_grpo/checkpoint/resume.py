@@ -180,6 +180,7 @@ def load_sharded(model, optimizer, path: str, step: int, with_state: bool, main_
     the torch_dist files of checkpoint ``path``, at this run's layout; ``step`` / ``group_step``:
     the saved per-parameter / param-group Adam step counts (``sharded_state.restore_step``)."""
     model_sd = sharded_state.model_sharded_state_dict(model)
+    sharded_state.match_checkpoint_keys(model_sd, sharded_state.checkpoint_keys(path))  # TE <-> local layers
     optim_sd = sharded_state.optimizer_sharded_state_dict(optimizer.megatron, model_sd, with_state,
                                                           for_loading=True, main_params=main_params)
     loaded = dist_checkpointing.load({"model": model_sd, "optimizer": optim_sd}, path)
@@ -211,8 +212,14 @@ def trainer_state(trainer, rngs, optimizer_step: int, optimizer_state: bool, mai
 
 
 def _scaler_states(opt) -> list:
-    return [o.grad_scaler.state_dict() if getattr(o, "grad_scaler", None) else None
+    """The fp16 loss scalers' state dicts with host tensors: Megatron's scale lives on this rank's
+    GPU, and a CUDA tensor in ``trainer_state.pt`` would be restored onto the GPU it was saved from."""
+    return [_on_host(o.grad_scaler.state_dict()) if getattr(o, "grad_scaler", None) else None
             for o in sharded_state.chained(opt.megatron)]
+
+
+def _on_host(state: dict) -> dict:
+    return {k: v.detach().cpu() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
 
 
 def _agreed_optional_max(value: Optional[int]) -> Optional[int]:

@@ -40,7 +40,9 @@ import torch
 from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+from torch.distributed.checkpoint import FileSystemReader
 
+from megatron_grpo.checkpoint.folders import NORM_KEY_ALIASES
 from megatron_grpo.compat.megatron import distributed_optimizer_ranges
 from megatron_grpo.models import unwrap
 
@@ -83,6 +85,21 @@ class Block:
 def model_sharded_state_dict(model) -> dict:
     """The ``GPTModel``'s sharded state dict (inside Megatron's DDP / ``Float16Module``)."""
     return unwrap(model).sharded_state_dict()
+
+
+def checkpoint_keys(path: str) -> set:
+    """Every key of the torch_dist checkpoint folder ``path`` (its ``.metadata``; no process group)."""
+    return set(FileSystemReader(path).read_metadata().state_dict_metadata)
+
+
+def match_checkpoint_keys(model_sd: dict, saved: set) -> None:
+    """Renames, in place, the model's ``ShardedTensor`` keys that the checkpoint holds under the
+    other spec's name (``NORM_KEY_ALIASES``), so a checkpoint of TE layers loads into local layers and
+    the reverse; the optimizer's keys, built from these, follow."""
+    for value in nested_values(model_sd):
+        alias = NORM_KEY_ALIASES.get(value.key) if isinstance(value, ShardedTensor) else None
+        if alias is not None and value.key not in saved and alias in saved:
+            value.key = alias
 
 
 def chained(optimizer) -> List:

@@ -102,12 +102,13 @@ def compat_stats(stats: StatSet, train_lp, rollout_lp, mask, is_weight=None) -> 
     stats.add_sum("compat_is_ratio", masked_sum(ratio if is_weight is None else is_weight, mask))
     stats.add_sum("compat_k1", masked_sum(-lr, mask))
     stats.add_sum("compat_chi2_token", masked_sum(ratio * ratio, mask))
-    rows = mask.any(-1)
-    n_tok = maskf.sum(-1).clamp(min=1.0)
-    seq_lr = (lr * maskf).sum(-1)
-    stats.add_sum("n_seqs", rows.sum())
-    stats.add_sum("compat_chi2_seq", torch.where(rows, torch.exp(2.0 * seq_lr.clamp(-20.0, 20.0)), 0.0).sum())
-    stats.add_sum("compat_log_ppl_abs_diff", torch.where(rows, (seq_lr / n_tok).abs(), 0.0).sum())
+    stats.add_sum("n_seqs", mask.any(-1).sum())
+    # verl's per-sequence metrics (compute_offpolicy_metrics): means over every row, an empty one
+    # adding |0| (log_ppl_abs_diff) and e^0 (chi2_seq); token log-ratios unclamped, the sum clamped
+    seq_lr = torch.where(mask, (train_lp.detach() - rollout_lp).double(), 0.0).sum(-1)
+    stats.add_sum("n_rows", torch.ones_like(seq_lr).sum())
+    stats.add_sum("compat_chi2_seq", torch.exp(2.0 * seq_lr.clamp(-20.0, 20.0)).sum())
+    stats.add_sum("compat_log_ppl_abs_diff", (seq_lr / maskf.sum(-1).clamp(min=1.0)).abs().sum())
 
 
 def routing_stats(stats: StatSet, train_routes, natural_routes, ref_routes, beta, mask) -> None:
@@ -224,7 +225,7 @@ def _correction_metrics(sums, maxes, n) -> Dict[str, torch.Tensor]:
 
 def _compat_metrics(sums, n) -> Dict[str, torch.Tensor]:
     """NeMo-RL's and verl's names (README: Loss and metric definitions)."""
-    seqs = sums["n_seqs"]
+    rows = sums["n_rows"]  # verl: every row, empty ones included
     return {
         "compat/token_mult_prob_error": _safe_div(sums["compat_mult_prob_error"], n),
         "compat/gen_kl_error": _safe_div(sums["compat_gen_kl"], n),
@@ -232,8 +233,8 @@ def _compat_metrics(sums, n) -> Dict[str, torch.Tensor]:
         "compat/rollout_corr/kl": _safe_div(sums["compat_k1"], n),
         "compat/rollout_corr/k3_kl": _safe_div(sums["compat_gen_kl"], n),
         "compat/rollout_corr/chi2_token": _safe_div(sums["compat_chi2_token"], n) - 1.0,
-        "compat/rollout_corr/chi2_seq": _safe_div(sums["compat_chi2_seq"], seqs) - 1.0,
-        "compat/rollout_corr/log_ppl_abs_diff": _safe_div(sums["compat_log_ppl_abs_diff"], seqs),
+        "compat/rollout_corr/chi2_seq": _safe_div(sums["compat_chi2_seq"], rows) - 1.0,
+        "compat/rollout_corr/log_ppl_abs_diff": _safe_div(sums["compat_log_ppl_abs_diff"], rows),
     }
 
 

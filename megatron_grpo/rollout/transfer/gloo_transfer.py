@@ -102,9 +102,13 @@ def recv_message(pg, src: int) -> Tuple[int, bytes, Optional[torch.Tensor]]:
 
 
 def pack_bucket(bucket: Bucket) -> Tuple[bytes, torch.Tensor]:
-    """(JSON meta, one uint8 buffer) of a bucket, with vLLM's packer."""
+    """(JSON meta, one uint8 host buffer) of a bucket, with vLLM's packer. Buckets gathered on the
+    trainer's GPU are packed there and copied to host once: gloo's TCP transport reads the buffer
+    through its data pointer, which for a CUDA tensor is a device address (it must never be sent)."""
     names, dtypes, shapes, sizes, buffer = pack_tensors(bucket)
     meta = dict(names=names, dtypes=[str(d).split(".")[-1] for d in dtypes], shapes=shapes, sizes=sizes)
+    if buffer.device.type != "cpu":
+        buffer = buffer.cpu()
     return json.dumps(meta).encode(), buffer
 
 

@@ -5,7 +5,8 @@
 - ``file``: each bucket a safetensors file (under /dev/shm when it fits: ``fanout.py``) whose path
   the engine's worker extension reads; same host only.
 - ``gloo``: vLLM's weight-transfer API with our gloo engine (``gloo_transfer.py``): CPU, any host
-  the server's workers can open a TCP connection to the trainer from.
+  the server's workers can open a TCP connection to the trainer from (buckets gathered on a GPU
+  are copied to host before they are sent).
 - ``nccl`` / ``ipc``: the same API with vLLM's own engines (dedicated / colocated GPUs).
 - ``auto``: ``file`` for offline ``vllm`` engines (same host), the API for ``vllm_server``: gloo
   without CUDA, else ipc (colocated) or nccl (dedicated).
