@@ -113,6 +113,10 @@ class TrainStep:
         self.shadow_optional = cfg.loss_fn.ratio == "train" and self.replay != "R2"
         """The loss does not read the shadow (only its metrics do): sampled by ``grpo.diagnostics_every``."""
         self.diagnose, self.shadow_sampled_out = True, False
+        self.nonfinite: list = []
+        """This step's non-finite log-probs, as messages (filled once the ranks agree the step is skipped)."""
+        self._nonfinite_counts: list = []
+        """``(what, count)`` per sanitized tensor; counts stay on device until ``run``'s one agreed flag."""
 
     def lowp_log_probs(self, packed: PackedBatch, dtype: Optional[torch.dtype] = None,
                        routes: Optional[torch.Tensor] = None, temperature: Optional[float] = None) -> torch.Tensor:
@@ -135,7 +139,7 @@ class TrainStep:
 
         A step whose log-probs are non-finite on any rank is skipped (no update) and counted.
         """
-        self.current_step, self.nonfinite = step, []
+        self.current_step, self.nonfinite, self._nonfinite_counts = step, [], []
         self.diagnose = diagnostics_due(step, self.cfg.grpo.diagnostics_every, self.cfg.logger.token_dump_steps)
         self.shadow_sampled_out = self.shadow_optional and not self.diagnose
         """A step without diagnostics: no shadow, so no metric made from it (absent, not zero)."""
@@ -153,8 +157,7 @@ class TrainStep:
         elif self.routing is not None:
             self._routing_stats(stats, batch, train_lp, shadow, shadow_routes)
         self.last_log_probs = (train_lp, shadow if shadow is not None else train_lp)
-        flag = torch.tensor(float(bool(self.nonfinite)), device=comm.collective_device(device))
-        if comm.all_reduce_max(flag, comm.world_group()).item():
+        if self._skip_nonfinite(device):
             self.optimizer.zero_grad()
             extra = {"train/grad_norm": torch.full((), float("nan"), device=device),
                      "train/skipped_nonfinite": torch.ones((), device=device),
@@ -314,14 +317,25 @@ class TrainStep:
         config.moe_z_loss_coeff = m.moe_z_loss_coeff / num_routed_tokens if m.moe_z_loss_coeff else None
 
     def _sanitize(self, lp: torch.Tensor, fallback: torch.Tensor, mask: torch.Tensor, what: str) -> torch.Tensor:
-        """Records non-finite log-probs at valid tokens and replaces them (the step will be skipped,
-        agreed across ranks), so that every rank still runs the same collectives."""
+        """Replaces non-finite log-probs by ``fallback`` and counts those at valid tokens (the step will be
+        skipped, agreed across ranks), so that every rank still runs the same collectives. The count
+        stays on device: ``_skip_nonfinite`` reads every count of the step with one host sync."""
         finite = torch.isfinite(lp)
-        bad = int((~finite & mask).sum())  # one host sync per micro-batch
-        if not bad:
-            return lp
-        self.nonfinite.append(f"log_probs of {what}: {bad} non-finite values at valid tokens")
+        self._nonfinite_counts.append((what, (~finite & mask).sum()))
         return torch.where(finite, lp, fallback)
+
+    def _skip_nonfinite(self, device) -> bool:
+        """Whether any rank saw a non-finite log-prob this step (one collective, one host sync); when so,
+        ``self.nonfinite`` names this rank's culprits."""
+        names = [what for what, _ in self._nonfinite_counts]
+        counts = (torch.stack([count for _, count in self._nonfinite_counts]) if names
+                  else torch.zeros(1, dtype=torch.long, device=device))
+        flag = (counts.sum() > 0).float().to(comm.collective_device(device))
+        if not comm.all_reduce_max(flag, comm.world_group()).item():
+            return False
+        self.nonfinite = [f"log_probs of {what}: {n} non-finite values at valid tokens"
+                          for what, n in zip(names, counts.tolist()) if n]
+        return True
 
 
 def diagnostics_due(step: int, every: int, dump_steps=()) -> bool:
