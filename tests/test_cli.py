@@ -59,6 +59,22 @@ def test_plot_command_writes_the_first_figures(two_runs, tmp_path, capsys):
     assert [round(p.get_height(), 3) for p in fig.axes[0].patches][:5] == [1.0, 0.01, 2.0, 0.5, 0.2]
 
 
+def test_plots_of_sampled_diagnostics_join_the_sampled_steps(tmp_path):
+    pytest.importorskip("matplotlib")
+    from megatron_grpo.observe.plots import clip_figure, line_figure, load_runs, make_figures
+    from tests.test_doctor import sampled_rows
+
+    run = write_run(tmp_path / "sampled", sampled_rows(n=10, every=2), precision_config("float32", "bfloat16"))
+    runs = load_runs([run])
+    line = line_figure(runs, "precision/beta_abs_mean", "beta").axes[0].get_lines()[0]
+    assert list(line.get_xdata()) == [1, 2, 4, 6, 8, 10] and line.get_marker() == "o"
+    assert line.get_label() == "sampled (6 of 10 steps sampled)"
+    reward = line_figure(runs, "reward/mean", "reward").axes[0].get_lines()[0]  # logged every step
+    assert len(reward.get_xdata()) == 10 and reward.get_label() == "sampled"
+    assert clip_figure(runs).axes[0].get_lines()[0].get_label() == "phantom (6 of 10 steps sampled)"
+    assert len(make_figures([run], str(tmp_path / "figs"))) >= 8
+
+
 def test_report_command(two_runs, tmp_path, capsys):
     pytest.importorskip("matplotlib")
     sweep = str(tmp_path / "sweep")

@@ -80,6 +80,13 @@ def test_generation_or_shadow_dtype_wider_than_the_params_is_an_error(key, preci
         from_dict(Config, {"policy": {"precision": {"params_dtype": "bfloat16", **precision}}})
 
 
+def test_diagnostics_every_is_checked():
+    assert from_dict(Config, {}).grpo.diagnostics_every == 1  # today's behaviour: every step
+    assert from_dict(Config, {"grpo": {"diagnostics_every": 10}}).grpo.diagnostics_every == 10
+    with pytest.raises(ValueError, match=r"grpo.diagnostics_every must be >= 1 \(1 = every step\), got 0"):
+        from_dict(Config, {"grpo": {"diagnostics_every": 0}})
+
+
 def test_precision_defaults_are_matched_and_mismatch_warns(caplog):
     p = PrecisionConfig(compute_dtype="bfloat16")
     assert p.generation_dtype == p.shadow_dtype == "bfloat16" and not p.needs_shadow

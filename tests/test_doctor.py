@@ -174,3 +174,36 @@ def test_live_doctor_reports_a_finding_once_when_it_first_triggers():
 def test_missing_metrics_file_names_the_path(tmp_path):
     with pytest.raises(FileNotFoundError, match="metrics.jsonl"):
         read_metrics(str(tmp_path))
+
+
+def sampled_rows(n=10, every=2, beta=0.02, phantom=0.05):
+    """Rows as ``grpo.diagnostics_every=every`` writes them: the shadow's and the probe's metrics only at
+    step 1 and every ``every``-th step; the other metrics at every step."""
+    rows = []
+    for step in range(1, n + 1):
+        row = {"step": step, **step_row(step, beta=beta * step, phantom=phantom)}
+        if step != 1 and step % every:
+            for key in [k for k in row if k.startswith(("precision/", "clip/phantom", "clip/legit", "policy/"))]:
+                del row[key]
+        rows.append(row)
+    return rows
+
+
+def test_rows_without_the_sampled_diagnostics_use_the_rows_that_have_them(tmp_path, capsys):
+    rows = sampled_rows()
+    run = write_run(tmp_path / "run", rows, precision_config("float32", "bfloat16"))
+    found = {f.kind: f for f in diagnose(read_metrics(run), read_config(run))}
+    # 6 of 10 steps carry the diagnostics (1, 2, 4, 6, 8, 10): means and growth use only those
+    assert "(6 of 10 steps sampled)" in found["phantom_clipping"].message
+    assert "mean |beta| 1.03e-01" in found["phantom_clipping"].message  # mean of 0.02 * (1, 2, 4, ..., 10)
+    assert "first vs last 5 sampled steps) (6 of 10 steps sampled)" in found["beta_growing"].message
+    assert doctor.doctor(run) == 1
+    assert "10 steps" in capsys.readouterr().out
+    live = LiveDoctor(None)
+    messages = [m for step, row in enumerate(rows, 1) for m in live.update(step, row)]
+    assert any("phantom clipping" in m for m in messages)
+    healthy = sampled_rows(beta=0.0, phantom=0.0)
+    assert doctor.healthy_sentence(healthy, None).endswith("beta = 0 exactly (6 of 10 steps sampled), phantom "
+                                                             "clipping zeroes 0.00% of token gradients)")
+    bare = [{k: v for k, v in row.items() if not k.startswith(("precision/", "clip/"))} for row in healthy]
+    assert "no precision metrics logged" in doctor.healthy_sentence(bare, None)

@@ -1,7 +1,11 @@
 """step.py and its neighbours: detach_center over micro-batches, the metric path's devices, agreed
-batch checks, fp16 overflow back-off, true-fp32 GEMMs, the parity probe's baseline."""
+batch checks, fp16 overflow back-off, true-fp32 GEMMs, the parity probe's baseline, sampled diagnostics."""
 
+import json
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -229,3 +233,71 @@ def test_parity_probe_is_sampled_text_scored_at_temperature_one(tiny_dense, mega
     t07 = completion_scores(st.lowp_log_probs(packed, torch.float32), packed)
     assert scores == t1 and max(abs(a - b) for a, b in zip(t1[0], t07[0])) > 1e-3
     assert not math.isnan(scores[0][0])
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SHADOW_METRICS = ("policy/kl_rollout", "policy/deployed_improvement", "clip/phantom_region_fraction",
+                  "clip/legit_zero_grad_fraction", "clip/rescued_region_fraction")
+
+
+def _train(model_dir, log_dir, *overrides):
+    """4 steps of the tiny recipe on CPU with the megatron generator (no vLLM start-up) in bf16 and an
+    fp32 trainer, so the shadow forward runs (shadow dtype bf16 != compute dtype fp32)."""
+    recipe = os.path.join(ROOT, "recipes", "grpo-tiny-eos-megatron-cpu.yaml")
+    cmd = [sys.executable, "-m", "megatron_grpo", "train", recipe,
+           f"policy.model_name={model_dir}", "grpo.max_num_steps=4", f"logger.log_dir={log_dir}",
+           "logger.progress_bar=false", "logger.tensorboard=false", "policy.precision.generation_dtype=bfloat16",
+           *overrides]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    env["OMP_NUM_THREADS"] = "1"
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    return [json.loads(line) for line in open(os.path.join(log_dir, "metrics.jsonl"))], proc.stdout
+
+
+@pytest.fixture(scope="module")
+def sampled_runs(tmp_path_factory, tiny_dense):
+    every = {}
+    for n in (1, 2):
+        log_dir = str(tmp_path_factory.mktemp(f"diagnostics-every-{n}"))
+        every[n] = (log_dir, *_train(tiny_dense, log_dir, f"grpo.diagnostics_every={n}"))
+    return every
+
+
+def test_diagnostics_every_samples_the_shadow_and_the_probe_without_changing_training(sampled_runs):
+    (_, every1, _), (_, every2, _) = sampled_runs[1], sampled_runs[2]
+    precision = [k for k in every1[0] if k.startswith("precision/")]
+    assert len(precision) >= 10 and every1[0]["precision/beta_abs_mean"] > 0  # a real shadow forward
+    assert [r["step"] for r in every2] == [1, 2, 3, 4]
+    for row in every1:
+        assert all(k in row for k in precision + list(SHADOW_METRICS))
+    for row in every2:
+        sampled = row["step"] in (1, 2, 4)  # step 1 and every 2nd step
+        for key in precision + list(SHADOW_METRICS):
+            assert (key in row) == sampled, (row["step"], key)  # absent, not zero or null
+        # what does not need the shadow is logged at every step
+        for key in ("loss/policy", "clip/region_fraction", "clip/zero_grad_fraction", "compat/gen_kl_error",
+                    "reward/mean", "train/grad_norm", "sync/logprob_abs_diff_mean"):
+            assert key in row, (row["step"], key)
+    # with ratio=train the shadow never touches the training path: same loss, gradient and rollouts
+    for a, b in zip(every1, every2):
+        for key in ("loss/policy", "train/grad_norm", "reward/mean", "completion/length_mean"):
+            assert a[key] == b[key], (a["step"], key, a[key], b[key])
+        if b["step"] != 3:
+            assert all(a[k] == b[k] for k in precision if a[k] is not None), a["step"]
+
+
+def test_summary_doctor_and_plots_read_a_sampled_run(sampled_runs, tmp_path, capsys):
+    from megatron_grpo.cli import main
+
+    log_dir, _, out = sampled_runs[2]
+    summary = json.load(open(os.path.join(log_dir, "summary.json")))
+    assert summary["steps"] == 4 and summary["diagnostics_steps"] == {"precision": 3, "deployed_improvement": 3}
+    assert summary["beta_abs_mean"]["first"] > 0 and summary["deployed_improvement_mean"] is not None
+    assert "first -> last 5 sampled steps (3 of 4 steps sampled): mean |beta|" in out
+    assert main(["doctor", log_dir]) in (0, 1)
+    assert "(3 of 4 steps sampled)" in capsys.readouterr().out
+    pytest.importorskip("matplotlib")
+    figures = str(tmp_path / "figs")
+    assert main(["plot", log_dir, "--out", figures]) == 0
+    assert {"beta.png", "deployed_improvement.png", "clip_fractions.png"} <= set(os.listdir(figures))

@@ -57,6 +57,20 @@ def test_summary_of_an_empty_run_and_nan_values(tmp_path):
     json.dumps(s, allow_nan=False)
 
 
+def test_summary_of_sampled_diagnostics_says_how_many_steps_were_sampled(tmp_path):
+    from tests.test_doctor import sampled_rows
+
+    rows = sampled_rows(n=10, every=3)  # steps 1, 3, 6, 9 carry the diagnostics
+    s = summarize(rows, precision_config("float32", "bfloat16"))
+    assert s["diagnostics_steps"] == {"precision": 4, "deployed_improvement": 4}
+    assert s["beta_abs_mean"]["first"] == pytest.approx(0.02 * (1 + 3 + 6 + 9) / 4)  # the 4 sampled steps
+    assert s["deployed_improvement_mean"] == pytest.approx(1e-3)
+    json.dumps(s, allow_nan=False)
+    text = format_summary({**s, "paths": {}, "commands": {}})
+    assert "first -> last 5 sampled steps (4 of 10 steps sampled): mean |beta| 9.50e-02 -> 9.50e-02" in text
+    assert "deployed improvement (mean per step (4 of 10 steps sampled)): 1.00e-03" in text
+
+
 class StubTrainer:
     """The real ``GRPOTrainer.train`` loop around a stubbed step (no model, no generator)."""
 

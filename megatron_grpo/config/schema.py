@@ -186,6 +186,13 @@ class GRPOConfig:
     """grpo (std-normalised), dr_grpo (centred only), rloo."""
     deployed_improvement: bool = True
     """Measure ``policy/deployed_improvement`` (one extra shadow forward per step)."""
+    diagnostics_every: int = 1
+    """Run the diagnostic forwards only at step 1 and every N-th step: the shadow forward where the loss
+    does not need it (``loss_fn.ratio: train`` without R2 routing replay; otherwise it runs every step)
+    and the deployed-improvement probe. On the other steps the metrics they make (``precision/*``,
+    ``policy/kl_rollout``, ``policy/deployed_improvement``, the phantom / legit / rescued clip fractions,
+    MoE routing agreement) are absent from metrics.jsonl; the loss and its gradient do not change.
+    1 = every step. ``generation.parity_probe_every`` is separate."""
     grad_cos_clean_every: int = 0
     """Every N steps log ``grad/cos_clean``: cosine between the actual gradient and the clean
     REINFORCE gradient of -(A * logp * mask).sum() / num_tokens (one extra forward-backward; 0 = off)."""
@@ -196,6 +203,8 @@ class GRPOConfig:
         if self.advantage_estimator not in ADVANTAGE_ESTIMATORS:
             raise ValueError(f"grpo.advantage_estimator: unknown {self.advantage_estimator!r}; valid choices: "
                              f"{', '.join(ADVANTAGE_ESTIMATORS.names())}")
+        if self.diagnostics_every < 1:
+            raise ValueError(f"grpo.diagnostics_every must be >= 1 (1 = every step), got {self.diagnostics_every}")
         if self.grad_cos_clean_every < 0:
             raise ValueError(f"grpo.grad_cos_clean_every must be >= 0, got {self.grad_cos_clean_every}")
         for key in ("num_prompts_per_step", "num_generations_per_prompt", "max_num_steps", "max_consecutive_skips"):
@@ -400,6 +409,10 @@ class Config:
             raise ValueError(f"reward.timeout_s={self.reward.timeout_s} must be below cluster.distributed_timeout_minutes"
                              f"={self.cluster.distributed_timeout_minutes} x 60 s: rank 0 scores while every other "
                              f"rank waits in a collective")
+        if self.grpo.diagnostics_every > 1 and (self.loss_fn.ratio != "train" or m.moe_routing_replay == "R2"):
+            logger.info("grpo.diagnostics_every=%d: the loss needs the shadow forward (loss_fn.ratio=%s, "
+                        "moe_routing_replay=%s), so it and its metrics run every step; only the deployed-improvement "
+                        "probe is sampled", self.grpo.diagnostics_every, self.loss_fn.ratio, m.moe_routing_replay)
         if self.loss_fn.ratio == "shadow" and not p.needs_shadow:
             logger.info("loss_fn.ratio=shadow with shadow_dtype == compute_dtype: the shadow ratio equals the trainer's")
 

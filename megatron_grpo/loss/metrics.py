@@ -25,6 +25,10 @@ COMMON_LOGPROB = -5.0
 """Rollout log-prob above which a token is ``common``."""
 RARE_LOGPROB = -20.0
 """Rollout log-prob at or below which a token is ``rare``; in between is ``medium``."""
+SHADOW_STATS = ("kl_rollout",)
+"""Statistics made from the trainer's own log-probs when the loss gets no shadow, though defined on the
+shadow (``policy/kl_rollout``: current = the shadow forward): the step drops them where it samples the
+shadow out (``grpo.diagnostics_every``), so that a metric's series never mixes two definitions."""
 
 
 def precision_stats(stats: StatSet, log_probs, shadow, old, adv, mask) -> None:

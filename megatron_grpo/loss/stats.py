@@ -39,6 +39,13 @@ class StatSet:
             self.add_max(name, value)
         return self
 
+    def discard(self, *names: str) -> "StatSet":
+        """Drops the sums and maxima named ``names`` (absent ones are ignored); returns self."""
+        for name in names:
+            self.sums.pop(name, None)
+            self.maxes.pop(name, None)
+        return self
+
     def from_last_stage(self, device: torch.device) -> "StatSet":
         """The last pipeline stage's sums and maxima on every stage, on ``device`` (PP = 1: self)."""
         packed = {**{f"sum:{k}": v for k, v in self.sums.items()}, **{f"max:{k}": v for k, v in self.maxes.items()}}

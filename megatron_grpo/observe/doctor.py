@@ -76,6 +76,17 @@ def mean(values: Sequence[float]) -> float:
     return sum(values) / len(values) if values else math.nan
 
 
+def num_sampled(rows: Sequence[Dict[str, Any]], key: str) -> int:
+    """Steps whose row has ``key`` (``grpo.diagnostics_every`` > 1 leaves it out of the others)."""
+    return sum(1 for r in rows if key in r)
+
+
+def sampled_note(rows: Sequence[Dict[str, Any]], key: str) -> str:
+    """``" (3 of 10 steps sampled)"`` when only some rows have ``key``, else ``""``."""
+    k = num_sampled(rows, key)
+    return f" ({k} of {len(rows)} steps sampled)" if 0 < k < len(rows) else ""
+
+
 def _precision(config: Optional[Dict[str, Any]]) -> Dict[str, Any]:
     p = (config or {}).get("policy", {}).get("precision", {})
     return {"params": p.get("params_dtype"), "compute": p.get("compute_dtype"),
@@ -126,7 +137,7 @@ def check_phantom(rows, config) -> List[Finding]:
     region = mean(series(rows, "clip/phantom_region_fraction"))
     message = (f"phantom clipping zeroes {phantom:.1%} of token gradients (legitimate: {legit:.1%}; "
                f"{region:.1%} of tokens pushed outside the trust region by the precision gap, mean |beta| "
-               f"{beta:.2e}); {_dtypes_sentence(config)}")
+               f"{beta:.2e}){sampled_note(rows, 'clip/phantom_zero_grad_fraction')}; {_dtypes_sentence(config)}")
     return [Finding("phantom_clipping", "problem", message, precision_fixes(config))]
 
 
@@ -177,10 +188,12 @@ def check_growth(rows, config) -> List[Finding]:
     found = []
     first, last = _growth(series(rows, "precision/beta_abs_mean"))
     if last > BETA_FLOOR and last > BETA_GROWTH * first:
+        note = sampled_note(rows, "precision/beta_abs_mean")
         found.append(Finding("beta_growing", "problem",
                              f"the precision gap grows over the run: mean |beta| {first:.2e} -> {last:.2e} "
-                             f"(first vs last {WINDOW} steps); a rising trainer/generator mismatch precedes "
-                             "collapse (NeMo-RL #1801)", precision_fixes(config)[:2]))
+                             f"(first vs last {WINDOW} {'sampled ' if note else ''}steps){note}; a rising "
+                             "trainer/generator mismatch precedes collapse (NeMo-RL #1801)",
+                             precision_fixes(config)[:2]))
     first, last = _growth(series(rows, "sync/logprob_abs_diff_mean"))
     if last > DRIFT_FLOOR and last > DRIFT_GROWTH * first:
         found.append(Finding("parity_drift", "problem",
@@ -235,7 +248,11 @@ def healthy_sentence(rows, config) -> str:
     p = _precision(config)
     where = (f"trainer computes in {p['compute']}, generator runs {p['generation']}" if p["compute"]
              else "precisions not recorded")
-    gap = "beta = 0 exactly" if beta == 0 else f"mean |beta| {beta:.2e}"
+    if not math.isfinite(beta):
+        gap = "no precision metrics logged"
+    else:
+        gap = ("beta = 0 exactly" if beta == 0 else f"mean |beta| {beta:.2e}") + sampled_note(
+            rows, "precision/beta_abs_mean")
     clip = "" if not math.isfinite(phantom) else f", phantom clipping zeroes {phantom:.2%} of token gradients"
     return f"healthy: no precision problem found ({where}; {gap}{clip})"
 

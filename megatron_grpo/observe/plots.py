@@ -70,13 +70,23 @@ def _xy(rows, key):
     return [p[0] for p in pts], [p[1] for p in pts]
 
 
+def _sampled(rows, x) -> str:
+    """A legend note when a metric is logged on only some steps (``grpo.diagnostics_every`` > 1):
+    the line joins the sampled steps, each marked."""
+    return f" ({len(x)} of {len(rows)} steps sampled)" if len(x) < len(rows) else ""
+
+
+def _marker(rows, x):
+    return "o" if len(x) < len(rows) else None
+
+
 def line_figure(runs: Dict[str, List[dict]], key: str, title: str):
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 4))
     for i, (label, rows) in enumerate(runs.items()):
         x, y = _xy(rows, key)
         if x:
-            ax.plot(x, y, label=label, color=f"C{i % 10}")
+            ax.plot(x, y, label=label + _sampled(rows, x), color=f"C{i % 10}", marker=_marker(rows, x))
     ax.set_xlabel("step")
     ax.set_ylabel(key)
     ax.set_title(title)
@@ -98,7 +108,7 @@ def clip_figure(runs: Dict[str, List[dict]]):
         for j, kind in enumerate(("phantom", "legit", "rescued")):
             x, y = _xy(rows, f"clip/{kind}_region_fraction")
             if x:
-                ax.plot(x, y, label=kind, color=f"C{j}")
+                ax.plot(x, y, label=kind + _sampled(rows, x), color=f"C{j}", marker=_marker(rows, x))
         ax.set_ylabel("fraction of tokens")
         ax.set_title(label, fontsize=8)
         if ax.get_lines():

@@ -8,7 +8,7 @@ import math
 import os
 from typing import Any, Dict, List, Optional, Sequence
 
-from megatron_grpo.observe.doctor import WINDOW, diagnose, format_verdict, mean, read_metrics, series
+from megatron_grpo.observe.doctor import WINDOW, diagnose, format_verdict, mean, num_sampled, read_metrics, series
 
 PHASES = ("generate", "reward", "train", "weight_push", "parity")
 """The per-step ``timing/<phase>_s`` metrics, summed into the wall-time split."""
@@ -47,6 +47,8 @@ def summarize(rows: Sequence[Dict[str, Any]], config: Optional[Dict[str, Any]], 
         "completion_length": {"first": length[0] if length else None, "last": length[-1] if length else None},
         **{name: _edges(series(rows, key)) for name, key in EDGE_METRICS.items()},
         "deployed_improvement_mean": _finite(mean(series(rows, "policy/deployed_improvement"))),
+        "diagnostics_steps": {"precision": num_sampled(rows, "precision/beta_abs_mean"),
+                              "deployed_improvement": num_sampled(rows, "policy/deployed_improvement")},
         "healthy": not findings,
         "doctor": format_verdict(findings, rows, config),
     }
@@ -70,6 +72,12 @@ def _num(value: Optional[float], fmt: str = ".3f") -> str:
     return "n/a" if value is None else format(value, fmt)
 
 
+def _sampled(s: Dict[str, Any], what: str) -> str:
+    """``" (3 of 10 steps sampled)"`` when ``grpo.diagnostics_every`` left ``what`` out of some steps."""
+    k = s.get("diagnostics_steps", {}).get(what, 0)
+    return f" ({k} of {s['steps']} steps sampled)" if 0 < k < s["steps"] else ""
+
+
 def format_summary(s: Dict[str, Any]) -> str:
     """The printed summary (about 12 lines plus the doctor's fixes)."""
     steps = f"{s['steps']}" + (f"/{s['planned_steps']}" if s["planned_steps"] else "")
@@ -83,11 +91,14 @@ def format_summary(s: Dict[str, Any]) -> str:
         f"completion length: {_num(n['first'], '.1f')} -> {_num(n['last'], '.1f')}",
     ]
     b, ph, pz, lz = (s[name] for name in EDGE_METRICS)
-    lines.append(f"first -> last {WINDOW} steps: mean |beta| {_num(b['first'], '.2e')} -> {_num(b['last'], '.2e')}")
+    sampled = _sampled(s, "precision")
+    lines.append(f"first -> last {WINDOW} {'sampled ' if sampled else ''}steps{sampled}: mean |beta| "
+                 f"{_num(b['first'], '.2e')} -> {_num(b['last'], '.2e')}")
     lines.append(f"  phantom-clipped tokens {_num(ph['first'], '.2%')} -> {_num(ph['last'], '.2%')}, gradients "
                  f"zeroed {_num(pz['first'], '.2%')} -> {_num(pz['last'], '.2%')} (legitimately: "
                  f"{_num(lz['first'], '.2%')} -> {_num(lz['last'], '.2%')})")
-    lines.append(f"deployed improvement (mean per step): {_num(s['deployed_improvement_mean'], '.2e')}")
+    lines.append(f"deployed improvement (mean per step{_sampled(s, 'deployed_improvement')}): "
+                 f"{_num(s['deployed_improvement_mean'], '.2e')}")
     lines.append("doctor: " + s["doctor"])
     lines += [f"{k}: {v}" for k, v in s["paths"].items() if v]
     lines += [f"{k} with: {v}" if v.startswith("megatron-grpo") else f"{k}: {v}" for k, v in s["commands"].items()]

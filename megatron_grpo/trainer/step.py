@@ -22,7 +22,7 @@ from megatron_grpo import faults
 from megatron_grpo.compat.megatron import moe_aux_loss_token_multiplier
 from megatron_grpo.config.schema import Config, to_dtype
 from megatron_grpo.loss import StatSet, clips, policy_loss_stats
-from megatron_grpo.loss.metrics import routing_stats
+from megatron_grpo.loss.metrics import SHADOW_STATS, routing_stats
 from megatron_grpo.loss.policy import weight_center
 from megatron_grpo.loss.stats import masked_sum
 from megatron_grpo.models import forward_logits, sequence_multiple, unwrap
@@ -112,6 +112,13 @@ class TrainStep:
         router_gap = self.routing is not None and self.routing.shadow_dtype != self.routing.train_dtype
         self.needs_shadow = p.needs_shadow or router_gap
         """The shadow forward runs when its precision (or, MoE, its router precision) differs."""
+        self.shadow_optional = cfg.loss_fn.ratio == "train" and self.replay != "R2"
+        """The loss does not read the shadow (only its metrics do): sampled by ``grpo.diagnostics_every``."""
+        self.diagnose, self.shadow_sampled_out = True, False
+        self.nonfinite: list = []
+        """This step's non-finite log-probs, as messages (filled once the ranks agree the step is skipped)."""
+        self._nonfinite_counts: list = []
+        """``(what, count)`` per sanitized tensor; counts stay on device until ``run``'s one agreed flag."""
 
     def lowp_log_probs(self, packed: PackedBatch, dtype: Optional[torch.dtype] = None,
                        routes: Optional[torch.Tensor] = None, temperature: Optional[float] = None) -> torch.Tensor:
@@ -134,7 +141,10 @@ class TrainStep:
 
         A step whose log-probs are non-finite on any rank is skipped (no update) and counted.
         """
-        self.current_step, self.nonfinite = step, []
+        self.current_step, self.nonfinite, self._nonfinite_counts = step, [], []
+        self.diagnose = diagnostics_due(step, self.cfg.grpo.diagnostics_every, self.cfg.logger.token_dump_steps)
+        self.shadow_sampled_out = self.shadow_optional and not self.diagnose
+        """A step without diagnostics: no shadow, so no metric made from it (absent, not zero)."""
         device = model_device(self.model)
         batch = batch.to(device)
         shadow, shadow_routes, self.replay_routes = self._shadow_forward(batch)
@@ -144,11 +154,12 @@ class TrainStep:
         center = self.weight_center(batch, shadow)
         self.optimizer.zero_grad()
         stats, train_lp = self.forward_backward(batch, shadow, ref, self.replay_routes, center)
-        if self.routing is not None:
+        if self.shadow_sampled_out:
+            stats.discard(*SHADOW_STATS)
+        elif self.routing is not None:
             self._routing_stats(stats, batch, train_lp, shadow, shadow_routes)
         self.last_log_probs = (train_lp, shadow if shadow is not None else train_lp)
-        flag = torch.tensor(float(bool(self.nonfinite)), device=comm.collective_device(device))
-        if comm.all_reduce_max(flag, comm.world_group()).item():
+        if self._skip_nonfinite(device):
             self.optimizer.zero_grad()
             extra = {"train/grad_norm": torch.full((), float("nan"), device=device),
                      "train/skipped_nonfinite": torch.ones((), device=device),
@@ -160,7 +171,7 @@ class TrainStep:
             if cos is not None:
                 extra["grad/cos_clean"] = cos
         extra["train/loss_scale"] = torch.tensor(self.optimizer.loss_scale(), device=device)
-        if self.cfg.grpo.deployed_improvement:
+        if self.cfg.grpo.deployed_improvement and self.diagnose:
             before = shadow if shadow is not None else train_lp
             after = self.lowp_log_probs(batch.packed)
             adv = batch.advantages.unsqueeze(-1).expand_as(after)
@@ -216,7 +227,7 @@ class TrainStep:
         """Shadow log-probs (None when skipped), the shadow's routing, and the routing the
         training forward replays (R2: the shadow's; R3: the generator's; else None)."""
         generator_routes = self._generator_routes(batch)
-        if not self.needs_shadow:
+        if not self.needs_shadow or self.shadow_sampled_out:
             return None, None, generator_routes
         shadow = self.lowp_log_probs(batch.packed, routes=generator_routes)
         if self.routing is None:
@@ -252,7 +263,7 @@ class TrainStep:
             lp = self._sanitize(lp, batch.old_log_probs[sl], mask, f"micro-batch {sl.start // mbs}")
             loss, s = policy_loss_stats(
                 lp, batch.old_log_probs[sl], batch.advantages[sl], mask, self.loss_cfg,
-                shadow_log_probs=shadow[sl] if shadow is not None else lp.detach(),
+                shadow_log_probs=self._loss_shadow(shadow, sl, lp),
                 ref_log_probs=ref[sl] if ref is not None else None, num_global_tokens=batch.num_global_tokens,
                 num_global_seqs=batch.num_global_seqs, weight_center=center, dp_group=self.dp_group)
             stats.merge(s)
@@ -265,6 +276,13 @@ class TrainStep:
         lp = torch.cat(log_probs, dim=0) if log_probs else None
         return stats, comm.tensor_from_last_stage(lp, batch.packed.labels.shape, torch.float32,
                                                   batch.packed.labels.device)
+
+    def _loss_shadow(self, shadow, sl: slice, lp: torch.Tensor) -> Optional[torch.Tensor]:
+        """The shadow log-probs the loss gets for rows ``sl``: without a shadow forward the trainer's own
+        (beta = 0 exactly), or none on a step without diagnostics (no precision / phantom statistics)."""
+        if shadow is not None:
+            return shadow[sl]
+        return None if self.shadow_sampled_out else lp.detach()
 
     def _schedule(self, batch: StepBatch, loss_func, replay, record_routes: bool = False) -> None:
         """One forward-backward of ``loss_func(rows, logits)`` over the batch's micro-batches in
@@ -303,14 +321,31 @@ class TrainStep:
         config.moe_z_loss_coeff = m.moe_z_loss_coeff / num_routed_tokens if m.moe_z_loss_coeff else None
 
     def _sanitize(self, lp: torch.Tensor, fallback: torch.Tensor, mask: torch.Tensor, what: str) -> torch.Tensor:
-        """Records non-finite log-probs at valid tokens and replaces them (the step will be skipped,
-        agreed across ranks), so that every rank still runs the same collectives."""
+        """Replaces non-finite log-probs by ``fallback`` and counts those at valid tokens (the step will be
+        skipped, agreed across ranks), so that every rank still runs the same collectives. The count
+        stays on device: ``_skip_nonfinite`` reads every count of the step with one host sync."""
         finite = torch.isfinite(lp)
-        bad = int((~finite & mask).sum())  # one host sync per micro-batch
-        if not bad:
-            return lp
-        self.nonfinite.append(f"log_probs of {what}: {bad} non-finite values at valid tokens")
+        self._nonfinite_counts.append((what, (~finite & mask).sum()))
         return torch.where(finite, lp, fallback)
+
+    def _skip_nonfinite(self, device) -> bool:
+        """Whether any rank saw a non-finite log-prob this step (one collective, one host sync); when so,
+        ``self.nonfinite`` names this rank's culprits."""
+        names = [what for what, _ in self._nonfinite_counts]
+        counts = (torch.stack([count for _, count in self._nonfinite_counts]) if names
+                  else torch.zeros(1, dtype=torch.long, device=device))
+        flag = (counts.sum() > 0).float().to(comm.collective_device(device))
+        if not comm.all_reduce_max(flag, comm.world_group()).item():
+            return False
+        self.nonfinite = [f"log_probs of {what}: {n} non-finite values at valid tokens"
+                          for what, n in zip(names, counts.tolist()) if n]
+        return True
+
+
+def diagnostics_due(step: int, every: int, dump_steps=()) -> bool:
+    """``grpo.diagnostics_every``: the shadow forward (where optional) and the deployed-improvement
+    probe run at step 1, every ``every``-th step, and at the token-dump steps (their dumps need the shadow)."""
+    return step == 1 or step % every == 0 or step in dump_steps
 
 
 def make_routing(model, cfg: Config):
