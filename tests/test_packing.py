@@ -168,6 +168,7 @@ def _rank(model_dir, layout, overrides):
 @pytest.mark.parametrize("layout,overrides", [
     (dict(world_size=2, tp=2), PACKED),
     (dict(world_size=2), PACKED + BUDGET),
+    (dict(world_size=2, pp=2), PACKED),
 ])
 def test_multi_rank_packed_equals_single_process(layout, overrides, tiny_dense, megatron_single):
     """TP=2 (sequence parallelism: rows a multiple of 16), DP=2 (token-balanced ranks, equal
