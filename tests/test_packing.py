@@ -113,6 +113,20 @@ def test_token_budget_groups_and_equal_counts():
     assert abs(loads[0] - loads[1]) <= 10
 
 
+def test_config_errors_name_the_full_key():
+    from megatron_grpo.config.schema import Config, from_dict
+
+    with pytest.raises(ValueError, match="policy.dynamic_batching.max_tokens_per_microbatch"):
+        from_dict(Config, {"policy": {"dynamic_batching": {"enabled": True, "max_tokens_per_microbatch": 0}}})
+    with pytest.raises(ValueError, match="policy.sequence_packing.train_mb_tokens"):
+        from_dict(Config, {"policy": {"sequence_packing": {"enabled": True, "train_mb_tokens": -1}}})
+    with pytest.raises(ValueError, match="policy.dynamic_batching.enabled=true needs"):
+        from_dict(Config, {"policy": {"dynamic_batching": {"enabled": True},
+                                      "megatron_cfg": {"pipeline_model_parallel_size": 2}}})
+    with pytest.raises(ValueError, match="unknown key 'policy.sequence_packing.algorithm'"):
+        from_dict(Config, {"policy": {"sequence_packing": {"algorithm": "ffd"}}})
+
+
 # ---- one process ------------------------------------------------------------------------------------------
 
 
