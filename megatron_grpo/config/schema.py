@@ -16,6 +16,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
+from megatron_grpo.config.batching import DynamicBatchingConfig, SequencePackingConfig
 from megatron_grpo.config.generation import GenerationConfig
 from megatron_grpo.config.optim import DDPConfig, OptimizerConfig, SchedulerConfig
 from megatron_grpo.loss import ADVANTAGE_ESTIMATORS
@@ -164,6 +165,10 @@ class PolicyConfig:
     """Sequences per micro-batch (gradient accumulation over micro-batches)."""
     logprob_chunk_size: Optional[int] = None
     """Tokens per fp32 chunk in the log-prob kernel (null = its default)."""
+    sequence_packing: SequencePackingConfig = field(default_factory=SequencePackingConfig)
+    """Several sequences per row (``config/batching.py``)."""
+    dynamic_batching: DynamicBatchingConfig = field(default_factory=DynamicBatchingConfig)
+    """Token-budget micro-batches (``config/batching.py``)."""
 
     def __post_init__(self):
         if self.train_micro_batch_size < 1:
@@ -413,6 +418,11 @@ class Config:
             logger.info("grpo.diagnostics_every=%d: the loss needs the shadow forward (loss_fn.ratio=%s, "
                         "moe_routing_replay=%s), so it and its metrics run every step; only the deployed-improvement "
                         "probe is sampled", self.grpo.diagnostics_every, self.loss_fn.ratio, m.moe_routing_replay)
+        if self.policy.dynamic_batching.enabled and m.pipeline_model_parallel_size > 1 \
+                and not self.policy.sequence_packing.enabled:
+            raise ValueError("policy.dynamic_batching.enabled=true needs policy.megatron_cfg.pipeline_model_parallel_size"
+                             f"=1 (got {m.pipeline_model_parallel_size}): its micro-batches differ in shape; with "
+                             "pipeline parallelism use policy.sequence_packing.enabled=true (rows of one length)")
         if self.loss_fn.ratio == "shadow" and not p.needs_shadow:
             logger.info("loss_fn.ratio=shadow with shadow_dtype == compute_dtype: the shadow ratio equals the trainer's")
 

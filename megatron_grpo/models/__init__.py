@@ -46,13 +46,19 @@ def build_from_hf(model_dir: str, *, params_dtype: torch.dtype = torch.float32, 
     return model, shape
 
 
-def forward_logits(model, input_ids: torch.Tensor) -> torch.Tensor:
+def forward_logits(model, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
+                   attention_mask: Optional[torch.Tensor] = None, packed_seq_params=None) -> torch.Tensor:
     """Causal forward of ``[B, S]`` ids (right-padded); returns this rank's logits ``[B, S, V/tp]``
     (the output layer all-gathers the sequence under sequence parallelism). With SP, Megatron needs
     S to be a multiple of TP: the ids are padded (repeating the last id; under the causal mask later
-    positions cannot change earlier ones) and the logits cut back to S."""
+    positions cannot change earlier ones) and the logits cut back to S. Packed rows
+    (``models/packing.py``) come with their ``position_ids`` and a block-diagonal ``attention_mask``
+    ``[B, 1, S, S]`` (True = masked) or THD ``packed_seq_params``, already a multiple of TP long."""
     gpt = unwrap(model)
     seq_len = input_ids.shape[1]
+    if position_ids is not None:
+        assert seq_len % sequence_multiple(gpt.config) == 0, "packed rows are padded to a multiple of TP"
+        return model(input_ids, position_ids, attention_mask, packed_seq_params=packed_seq_params)
     extra = -seq_len % sequence_multiple(gpt.config)
     if extra and gpt.config.pipeline_model_parallel_size > 1:
         raise ValueError(f"forward_logits: sequence length {seq_len} is not a multiple of "

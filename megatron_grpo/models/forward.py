@@ -1,21 +1,23 @@
 """Trainer-side forwards: packing completions, precision contexts, per-token log-probs.
 
 Sequences are right-padded (prompt + completion + pad), so causal attention needs no
-mask: padding only follows valid tokens. Log-probs come from the vocab-parallel,
-chunked ``token_log_probs`` and are fp32.
+mask: padding only follows valid tokens. The model may see them otherwise (packed rows,
+token-budget micro-batches: ``models/packing.py``); log-probs come back in the padded layout.
+Log-probs come from the vocab-parallel, chunked ``token_log_probs`` and are fp32.
 """
 
 from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import List, Sequence
+from typing import List, Optional, Sequence
 
 import torch
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from megatron_grpo.compat.megatron import stage_output_dtype
 from megatron_grpo.models import forward_logits, unwrap
+from megatron_grpo.models.packing import MicroBatch, PlanSpec, build_plan
 from megatron_grpo.parallel import comm
 from megatron_grpo.parallel.logprobs import token_log_probs
 
@@ -87,44 +89,39 @@ def log_probs_from_logits(logits: torch.Tensor, labels: torch.Tensor, temperatur
 
 
 def forward_log_probs(model, batch: PackedBatch, *, compute_dtype: torch.dtype, params_dtype: torch.dtype,
-                      temperature: float = 1.0, tp_group=None, micro_batch_size: int = 8) -> torch.Tensor:
+                      temperature: float = 1.0, tp_group=None, micro_batch_size: int = 8,
+                      plan: Optional[List[MicroBatch]] = None) -> torch.Tensor:
     """No-grad log-probs ``[B, S]`` of ``batch.labels`` at the model's current weights in
     ``compute_dtype``, through Megatron's forward-only schedule (pipeline stages pass activations;
-    the last stage computes the log-probs and every stage gets them). With PP > 1 the rows are
-    padded to whole micro-batches (the P2P buffers have one shape) and the padding dropped."""
+    the last stage computes the log-probs and every stage gets them). ``plan``: the micro-batches
+    (``models/packing.py``: padded, token-budget or packed rows); default ``micro_batch_size`` padded
+    rows, with PP > 1 padded to whole micro-batches (the P2P buffers have one shape)."""
     device = model_device(model)
-    rows, seq_len = batch.input_ids.shape
-    padded = _pad_rows(batch.to(device), micro_batch_size) if comm.group_size(comm.pipeline_group()) > 1 else batch.to(device)
-    slices = [slice(i, min(i + micro_batch_size, padded.input_ids.shape[0]))
-              for i in range(0, padded.input_ids.shape[0], micro_batch_size)]
-    out = []
+    batch = batch.to(device)
+    if plan is None:
+        spec = PlanSpec(micro_batch_size=micro_batch_size, fixed_width=comm.group_size(comm.pipeline_group()) > 1)
+        plan = build_plan(batch.input_ids, batch.labels, batch.mask, spec)
+    out = torch.zeros(batch.labels.shape, dtype=torch.float32, device=device)
+    got = []
 
     def forward_step(data_iterator, chunk):
-        sl = next(data_iterator)
+        mb = next(data_iterator)
         with precision_context(compute_dtype, params_dtype):
-            logits = forward_logits(chunk, padded.input_ids[sl])
+            logits = forward_logits(chunk, mb.input_ids, **mb.model_inputs())
 
         def collect(output):
-            out.append(log_probs_from_logits(output, padded.labels[sl], temperature, tp_group))
+            out[mb.seqs] = mb.unpack(log_probs_from_logits(output, mb.labels, temperature, tp_group))
+            got.append(True)
             return torch.zeros((), device=device), torch.ones((), dtype=torch.int, device=device), {}
 
         return logits, collect
 
+    rows, width = plan[0].input_ids.shape
     with torch.no_grad(), pipeline_dtype(model, compute_dtype, params_dtype):
         get_forward_backward_func()(
-            forward_step_func=forward_step, data_iterator=iter(slices), model=model, num_microbatches=len(slices),
-            seq_length=seq_len, micro_batch_size=micro_batch_size, forward_only=True)
-    lp = torch.cat(out, dim=0) if out else None
-    return comm.tensor_from_last_stage(lp, padded.labels.shape, torch.float32, device)[:rows]
-
-
-def _pad_rows(batch: PackedBatch, multiple: int) -> PackedBatch:
-    extra = -batch.input_ids.shape[0] % multiple
-    if not extra:
-        return batch
-    pad = lambda t: torch.cat([t, t[:1].expand(extra, -1)], dim=0)  # noqa: E731
-    no_tokens = torch.zeros((extra, batch.mask.shape[1]), dtype=torch.bool, device=batch.mask.device)
-    return PackedBatch(pad(batch.input_ids), pad(batch.labels), torch.cat([batch.mask, no_tokens]))
+            forward_step_func=forward_step, data_iterator=iter(plan), model=model, num_microbatches=len(plan),
+            seq_length=width, micro_batch_size=rows, forward_only=True)
+    return comm.tensor_from_last_stage(out if got else None, batch.labels.shape, torch.float32, device)
 
 
 def completion_scores(lp: torch.Tensor, batch: PackedBatch) -> List[List[float]]:

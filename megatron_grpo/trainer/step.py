@@ -12,11 +12,12 @@ import contextlib
 import dataclasses
 import functools
 from dataclasses import dataclass
-from typing import Dict, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 from megatron.core import parallel_state as ps
 from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.transformer.dot_product_attention import DotProductAttention
 
 from megatron_grpo import faults
 from megatron_grpo.compat.megatron import moe_aux_loss_token_multiplier
@@ -35,6 +36,7 @@ from megatron_grpo.models.forward import (
     pipeline_dtype,
     precision_context,
 )
+from megatron_grpo.models.packing import MicroBatch, PlanSpec, build_plan, plan_groups, split_to_count
 from megatron_grpo.models.routing import Routing, generator_routes, select_layers
 from megatron_grpo.parallel import comm
 from megatron_grpo.parallel import grads as grad_utils
@@ -62,13 +64,14 @@ class StepBatch:
 
 
 def build_step_batch(rollouts: Rollouts, advantages: torch.Tensor, dp_rank: int, dp_size: int,
-                     pad_id: int, step: int = 0) -> StepBatch:
+                     pad_id: int, step: int = 0, balance_tokens: bool = False) -> StepBatch:
     """Packs all rollouts (identically on every rank) and keeps this DP rank's contiguous rows.
 
     Checks that need every rank to agree run here, on the whole batch that every rank holds, so
     that all ranks raise together (never one rank inside the schedule's collectives): a batch
     without any valid completion token, or non-finite generator log-probs / advantages.
-    Advantages stay float64 (the loss casts them)."""
+    Advantages stay float64 (the loss casts them). ``balance_tokens`` (``policy.dynamic_batching``):
+    each DP rank gets the same number of sequences, chosen to balance tokens, instead of contiguous rows."""
     seqs = [r.prompt_ids + r.completion_ids for r in rollouts]
     prompt_lens = [len(r.prompt_ids) for r in rollouts]
     packed = pack(seqs, prompt_lens, pad_id)
@@ -79,9 +82,24 @@ def build_step_batch(rollouts: Rollouts, advantages: torch.Tensor, dp_rank: int,
     _check_whole_batch(packed, old, advantages, step)
     rows = packed.input_ids.shape[0] // dp_size
     sl = slice(dp_rank * rows, (dp_rank + 1) * rows)
+    if balance_tokens and dp_size > 1:
+        sl = torch.tensor(balanced_ranks([len(s) for s in seqs], dp_size)[dp_rank], dtype=torch.long)
     routes = generator_routes(rollouts, packed.input_ids.shape[1])
     return StepBatch(packed.rows(sl), old[sl], advantages[sl].double(), packed.mask.sum().double(),
                      packed.mask.any(-1).sum().double(), None if routes is None else routes[sl])
+
+
+def balanced_ranks(lengths: Sequence[int], dp_size: int) -> List[List[int]]:
+    """Sequence indices per DP rank: equal counts, tokens balanced greedily (longest first to the
+    least-loaded rank that still has room), each rank's indices in order."""
+    per_rank = len(lengths) // dp_size
+    ranks: List[List[int]] = [[] for _ in range(dp_size)]
+    loads = [0] * dp_size
+    for i in sorted(range(per_rank * dp_size), key=lambda i: -lengths[i]):
+        r = min((r for r in range(dp_size) if len(ranks[r]) < per_rank), key=lambda r: loads[r])
+        ranks[r].append(i)
+        loads[r] += lengths[i]
+    return [sorted(r) for r in ranks]
 
 
 def _check_whole_batch(packed: PackedBatch, old: torch.Tensor, advantages: torch.Tensor, step: int) -> None:
@@ -119,6 +137,22 @@ class TrainStep:
         """This step's non-finite log-probs, as messages (filled once the ranks agree the step is skipped)."""
         self._nonfinite_counts: list = []
         """``(what, count)`` per sanitized tensor; counts stay on device until ``run``'s one agreed flag."""
+        self.plan_spec = plan_spec(model, cfg)
+        if self.routing is not None and (self.plan_spec.packing or self.plan_spec.max_tokens is not None):
+            raise ValueError("policy.sequence_packing / policy.dynamic_batching: not supported with MoE models yet "
+                             "(routing replay and routing metrics are laid out per padded row)")
+        self.plan: Optional[List[MicroBatch]] = None
+        """This step's micro-batches (``make_plan``), shared by every forward of the step."""
+
+    def make_plan(self, packed: PackedBatch, equalise: bool = True) -> List[MicroBatch]:
+        """The micro-batches of ``packed`` (padded, token-budget or packed rows); with ``equalise``
+        every DP rank gets the same number (Megatron's training schedule: the largest micro-batches
+        are split; a collective over DP). Forward-only passes outside a step need not agree."""
+        groups = plan_groups(packed.mask, self.plan_spec)
+        if equalise and comm.group_size(self.dp_group) > 1 and (self.plan_spec.packing or self.plan_spec.max_tokens is not None):
+            count = torch.tensor(float(len(groups)), device=comm.collective_device(packed.mask.device, self.dp_group))
+            groups = split_to_count(groups, int(comm.all_reduce_max(count, self.dp_group).item()))
+        return build_plan(packed.input_ids, packed.labels, packed.mask, self.plan_spec, groups)
 
     def lowp_log_probs(self, packed: PackedBatch, dtype: Optional[torch.dtype] = None,
                        routes: Optional[torch.Tensor] = None, temperature: Optional[float] = None) -> torch.Tensor:
@@ -126,10 +160,11 @@ class TrainStep:
         the generator's router precision (replaying ``routes`` when given); at the generation
         temperature unless ``temperature`` is given."""
         temperature = self.cfg.generation.temperature if temperature is None else temperature
+        plan = self._plan_of(packed)
         with self._routes(shadow=True, targets=routes):
             return forward_log_probs(self.model, packed, compute_dtype=dtype or self.shadow_dtype,
                                      params_dtype=self.params_dtype, temperature=temperature,
-                                     tp_group=self.tp_group, micro_batch_size=self.cfg.policy.train_micro_batch_size)
+                                     tp_group=self.tp_group, plan=plan)
 
     def _routes(self, shadow: bool, targets: Optional[torch.Tensor] = None):
         if self.routing is None:
@@ -147,6 +182,13 @@ class TrainStep:
         """A step without diagnostics: no shadow, so no metric made from it (absent, not zero)."""
         device = model_device(self.model)
         batch = batch.to(device)
+        self.plan = self.make_plan(batch.packed)
+        try:
+            return self._run(batch, step, device)
+        finally:
+            self.plan = None
+
+    def _run(self, batch: StepBatch, step: int, device) -> Tuple[StatSet, Dict[str, torch.Tensor]]:
         shadow, shadow_routes, self.replay_routes = self._shadow_forward(batch)
         ref = self._ref_log_probs(batch.packed)
         shadow = None if shadow is None else self._sanitize(shadow, batch.old_log_probs, batch.packed.mask, "shadow")
@@ -186,11 +228,11 @@ class TrainStep:
         actual = [p.main_grad.clone() for p in params]
         self.optimizer.zero_grad()
 
-        def clean_loss(sl, logits):
-            lp = log_probs_from_logits(logits, batch.packed.labels[sl], self.cfg.generation.temperature,
-                                       self.tp_group, self.cfg.policy.logprob_chunk_size)
-            mask = batch.packed.mask[sl]
-            adv = batch.advantages[sl].unsqueeze(-1).to(lp.dtype)
+        def clean_loss(mb, logits):
+            lp = mb.unpack(log_probs_from_logits(logits, mb.labels, self.cfg.generation.temperature,
+                                                 self.tp_group, self.cfg.policy.logprob_chunk_size))
+            mask = batch.packed.mask[mb.seqs]
+            adv = batch.advantages[mb.seqs].unsqueeze(-1).to(lp.dtype)
             return -(adv * lp * mask).sum() / batch.num_global_tokens.to(lp.dtype), mask.sum(), {}
 
         self._schedule(batch, clean_loss, self.replay_routes)
@@ -210,7 +252,7 @@ class TrainStep:
             with self._routes(shadow=False, targets=self.replay_routes):
                 lp = forward_log_probs(self.model, batch.packed, compute_dtype=self.compute_dtype,
                                        params_dtype=self.params_dtype, temperature=self.cfg.generation.temperature,
-                                       tp_group=self.tp_group, micro_batch_size=self.cfg.policy.train_micro_batch_size)
+                                       tp_group=self.tp_group, plan=self._plan_of(batch.packed))
         else:
             lp = shadow if shadow is not None else batch.old_log_probs
         return weight_center(lp, batch.old_log_probs, batch.advantages, batch.packed.mask, self.loss_cfg,
@@ -221,7 +263,10 @@ class TrainStep:
             return None
         return forward_log_probs(self.ref_model, packed, compute_dtype=self.compute_dtype,
                                  params_dtype=self.params_dtype, temperature=self.cfg.generation.temperature,
-                                 tp_group=self.tp_group, micro_batch_size=self.cfg.policy.train_micro_batch_size)
+                                 tp_group=self.tp_group, plan=self._plan_of(packed))
+
+    def _plan_of(self, packed: PackedBatch) -> List[MicroBatch]:
+        return self.plan if self.plan is not None else self.make_plan(packed.to(model_device(self.model)), equalise=False)
 
     def _shadow_forward(self, batch: StepBatch):
         """Shadow log-probs (None when skipped), the shadow's routing, and the routing the
@@ -252,56 +297,58 @@ class TrainStep:
     def forward_backward(self, batch: StepBatch, shadow, ref, replay=None, center=None) -> Tuple[StatSet, torch.Tensor]:
         """The policy loss through Megatron's schedule over micro-batches (MoE: replaying ``replay``
         routing when given); returns merged stats and the trainer's log-probs."""
-        mbs = self.cfg.policy.train_micro_batch_size
-        stats, log_probs = StatSet(), []
+        stats = StatSet()
+        log_probs = torch.zeros(batch.packed.labels.shape, dtype=torch.float32, device=batch.packed.labels.device)
+        ran = []
 
-        def loss_func(sl, logits):
-            lp = log_probs_from_logits(logits, batch.packed.labels[sl], self.cfg.generation.temperature,
-                                       self.tp_group, self.cfg.policy.logprob_chunk_size)
-            mask = batch.packed.mask[sl]
-            lp = faults.maybe_nan(self.current_step, sl.start // mbs, lp, mask)
-            lp = self._sanitize(lp, batch.old_log_probs[sl], mask, f"micro-batch {sl.start // mbs}")
+        def loss_func(mb, logits):
+            lp = mb.unpack(log_probs_from_logits(logits, mb.labels, self.cfg.generation.temperature,
+                                                 self.tp_group, self.cfg.policy.logprob_chunk_size))
+            rows = mb.seqs
+            mask = batch.packed.mask[rows]
+            lp = faults.maybe_nan(self.current_step, mb.index, lp, mask)
+            lp = self._sanitize(lp, batch.old_log_probs[rows], mask, f"micro-batch {mb.index}")
             loss, s = policy_loss_stats(
-                lp, batch.old_log_probs[sl], batch.advantages[sl], mask, self.loss_cfg,
-                shadow_log_probs=self._loss_shadow(shadow, sl, lp),
-                ref_log_probs=ref[sl] if ref is not None else None, num_global_tokens=batch.num_global_tokens,
+                lp, batch.old_log_probs[rows], batch.advantages[rows], mask, self.loss_cfg,
+                shadow_log_probs=self._loss_shadow(shadow, rows, lp),
+                ref_log_probs=ref[rows] if ref is not None else None, num_global_tokens=batch.num_global_tokens,
                 num_global_seqs=batch.num_global_seqs, weight_center=center, dp_group=self.dp_group)
             stats.merge(s)
-            log_probs.append(lp.detach())
+            log_probs[rows] = lp.detach()
+            ran.append(True)
             return loss, mask.sum(), {}
 
         self._schedule(batch, loss_func, replay, record_routes=True)
         # pipeline parallelism: the loss ran on the last stage; every stage gets its stats and log-probs
         stats = stats.from_last_stage(batch.packed.labels.device)
-        lp = torch.cat(log_probs, dim=0) if log_probs else None
-        return stats, comm.tensor_from_last_stage(lp, batch.packed.labels.shape, torch.float32,
-                                                  batch.packed.labels.device)
+        return stats, comm.tensor_from_last_stage(log_probs if ran else None, batch.packed.labels.shape,
+                                                  torch.float32, batch.packed.labels.device)
 
-    def _loss_shadow(self, shadow, sl: slice, lp: torch.Tensor) -> Optional[torch.Tensor]:
-        """The shadow log-probs the loss gets for rows ``sl``: without a shadow forward the trainer's own
+    def _loss_shadow(self, shadow, rows, lp: torch.Tensor) -> Optional[torch.Tensor]:
+        """The shadow log-probs the loss gets for ``rows``: without a shadow forward the trainer's own
         (beta = 0 exactly), or none on a step without diagnostics (no precision / phantom statistics)."""
         if shadow is not None:
-            return shadow[sl]
+            return shadow[rows]
         return None if self.shadow_sampled_out else lp.detach()
 
     def _schedule(self, batch: StepBatch, loss_func, replay, record_routes: bool = False) -> None:
         """One forward-backward of ``loss_func(rows, logits)`` over the batch's micro-batches in
         Megatron's schedule; gradients land reduced in DDP's buffers (``finalize_model_grads``)."""
-        mbs = self.cfg.policy.train_micro_batch_size
         rows, seq_len = batch.packed.input_ids.shape
-        slices = [slice(i, min(i + mbs, rows)) for i in range(0, rows, mbs)]
+        plan = self._plan_of(batch.packed)
 
         def forward_step(data_iterator, model):
-            sl = next(data_iterator)
+            mb = next(data_iterator)
             with precision_context(self.compute_dtype, self.params_dtype):
-                logits = forward_logits(model, batch.packed.input_ids[sl])
-            return logits, functools.partial(loss_func, sl)
+                logits = forward_logits(model, mb.input_ids, **mb.model_inputs())
+            return logits, functools.partial(loss_func, mb)
 
         self._scale_moe_aux_losses(rows * seq_len * comm.group_size(self.dp_group))
+        mb_rows, mb_width = plan[0].input_ids.shape
         with self._routes(shadow=False, targets=replay), pipeline_dtype(self.model, self.compute_dtype, self.params_dtype):
             get_forward_backward_func()(
-                forward_step_func=forward_step, data_iterator=iter(slices), model=self.model,
-                num_microbatches=len(slices), seq_length=seq_len, micro_batch_size=mbs, forward_only=False)
+                forward_step_func=forward_step, data_iterator=iter(plan), model=self.model,
+                num_microbatches=len(plan), seq_length=mb_width, micro_batch_size=mb_rows, forward_only=False)
             if record_routes and self.routing is not None:
                 self.train_routes = (self.routing.take(seq_len, "used"), self.routing.take(seq_len, "natural"))
 
@@ -346,6 +393,27 @@ def diagnostics_due(step: int, every: int, dump_steps=()) -> bool:
     """``grpo.diagnostics_every``: the shadow forward (where optional) and the deployed-improvement
     probe run at step 1, every ``every``-th step, and at the token-dump steps (their dumps need the shadow)."""
     return step == 1 or step % every == 0 or step in dump_steps
+
+
+def plan_spec(model, cfg: Config) -> PlanSpec:
+    """``policy.sequence_packing`` / ``policy.dynamic_batching`` / ``train_micro_batch_size`` as a
+    ``PlanSpec`` for ``model`` (row widths a multiple of 8 and of TP under SP; one row length
+    under PP; THD ``PackedSeqParams`` where the Transformer Engine spec is active)."""
+    p, config = cfg.policy, unwrap(model).config
+    packing, dynamic = p.sequence_packing.enabled, p.dynamic_batching.enabled
+    budget = p.dynamic_batching.max_tokens_per_microbatch if dynamic else None
+    if packing:
+        budget = budget or p.sequence_packing.train_mb_tokens or None
+    multiple = 8 * sequence_multiple(config)
+    return PlanSpec(micro_batch_size=p.train_micro_batch_size, max_tokens=budget, packing=packing, multiple=multiple,
+                    fixed_width=config.pipeline_model_parallel_size > 1, thd=packing and uses_te_attention(model))
+
+
+def uses_te_attention(model) -> bool:
+    """Whether the model's core attention is Transformer Engine's (THD packing) rather than the
+    local ``DotProductAttention`` (block-diagonal mask)."""
+    layers = unwrap(model).decoder.layers
+    return len(layers) > 0 and not isinstance(layers[0].self_attention.core_attention, DotProductAttention)
 
 
 def make_routing(model, cfg: Config):

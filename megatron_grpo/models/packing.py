@@ -1,0 +1,254 @@
+"""Micro-batch plans: padded rows, token-budget micro-batches, packed rows.
+
+The loss keeps the step's right-padded ``[b, S]`` tensors (``PackedBatch``); only the model's
+input changes. A plan is a list of ``MicroBatch``: the rows the model computes and, per sequence,
+where its tokens sit in them, so that per-token log-probs come back as ``[n, S]`` rows of the
+padded layout (``MicroBatch.unpack``) and every loss, metric and global token count is the padded
+path's.
+
+- **padded** (default): ``micro_batch_size`` sequences per micro-batch, the batch's full width.
+- **token budget** (``policy.dynamic_batching``): sequences in length order, each micro-batch
+  as many as fit ``rows * width <= max_tokens_per_microbatch``, the width the micro-batch's longest.
+- **packed** (``policy.sequence_packing``): sequences placed first-fit-decreasing into rows of up to
+  a token budget, one row per micro-batch; positions restart at 0 per sequence and no token attends
+  across sequences: on the local spec a block-diagonal causal ``attention_mask`` ``[r, 1, L, L]``
+  (bool, True = masked: Megatron's ``attention_mask_func`` fills those scores with -10000, exactly 0
+  after the fp32 softmax); with Transformer Engine THD ``PackedSeqParams`` with ``cu_seqlens``. The
+  local spec's RoPE ignores ``position_ids`` (it rotates by the row position), but RoPE scores depend
+  only on the distance between two positions, so a sequence's offset in the row changes them by
+  rounding only (~1e-7 in fp32).
+
+A sequence needs only its tokens up to its last completion label (``last`` + 1 tokens: the logits at
+position t score ``labels[t]``), so padding and the final token are never computed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional, Sequence
+
+import torch
+from megatron.core.packed_seq_params import PackedSeqParams
+
+
+@dataclass
+class MicroBatch:
+    """One micro-batch of the model's input and where its sequences' tokens are."""
+
+    index: int
+    """position in the plan (fault injection and messages)"""
+    seqs: torch.Tensor
+    """[n] int64: the sequences (rows of the padded batch) this micro-batch scores"""
+    input_ids: torch.Tensor
+    """[r, L] int64"""
+    labels: torch.Tensor
+    """[r, L] int64: the padded batch's labels at the same tokens"""
+    gather: Optional[torch.Tensor] = None
+    """[n, S] int64 into the flattened ``[r * L]`` log-probs (None: the rows are the padded rows)"""
+    valid: Optional[torch.Tensor] = None
+    """[n, S] bool: where ``gather`` points at a computed token"""
+    position_ids: Optional[torch.Tensor] = None
+    """[r, L] int64, restarting at 0 per sequence (packed only)"""
+    attention_mask: Optional[torch.Tensor] = None
+    """[r, 1, L, L] bool, True = masked (packed, local spec)"""
+    packed_seq_params: Optional[object] = None
+    """Megatron's ``PackedSeqParams`` (packed, Transformer Engine: THD)"""
+
+    @property
+    def num_computed_tokens(self) -> int:
+        return self.input_ids.numel()
+
+    def unpack(self, row_values: torch.Tensor) -> torch.Tensor:
+        """``[r, L]`` per-token values -> ``[n, S]`` rows of the padded layout (0 where not computed)."""
+        if self.gather is None:
+            return row_values
+        flat = row_values.reshape(-1)[self.gather]
+        return torch.where(self.valid, flat, torch.zeros_like(flat))
+
+    def model_inputs(self) -> dict:
+        """Keyword arguments for ``forward_logits`` besides the ids."""
+        return {"position_ids": self.position_ids, "attention_mask": self.attention_mask,
+                "packed_seq_params": self.packed_seq_params}
+
+
+@dataclass(frozen=True)
+class PlanSpec:
+    """How a step's sequences become micro-batches."""
+
+    micro_batch_size: int = 8
+    """sequences per micro-batch (padded mode)"""
+    max_tokens: Optional[int] = None
+    """token budget per micro-batch (token-budget mode) or per packed row (packed mode)"""
+    packing: bool = False
+    multiple: int = 8
+    """row widths are rounded up to this (8; times TP under sequence parallelism)"""
+    fixed_width: bool = False
+    """every row the same width (pipeline parallelism: its buffers have one shape)"""
+    thd: bool = False
+    """packed rows as Transformer Engine THD ``PackedSeqParams`` instead of a mask"""
+
+
+def needed_lengths(mask: torch.Tensor) -> List[int]:
+    """Tokens each sequence needs: up to its last completion label (at least 1)."""
+    pos = torch.arange(mask.shape[1], device=mask.device).expand_as(mask)
+    last = torch.where(mask, pos, torch.full_like(pos, -1)).amax(dim=1)
+    return [max(int(v) + 1, 1) for v in last.tolist()]
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def group_by_tokens(lengths: Sequence[int], budget: int, multiple: int) -> List[List[int]]:
+    """Token-budget micro-batches: sequences in descending length, each group as many as fit
+    ``count * round_up(longest) <= budget`` (at least one)."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    groups: List[List[int]] = []
+    for i in order:
+        if groups:
+            width = _round_up(lengths[groups[-1][0]], multiple)
+            if (len(groups[-1]) + 1) * width <= budget:
+                groups[-1].append(i)
+                continue
+        groups.append([i])
+    return groups
+
+
+def first_fit_decreasing(lengths: Sequence[int], capacity: int) -> List[List[int]]:
+    """Bins of sequence indices whose lengths sum to at most ``capacity`` (first fit, longest first)."""
+    bins: List[List[int]] = []
+    loads: List[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        for b, load in enumerate(loads):
+            if load + lengths[i] <= capacity:
+                bins[b].append(i)
+                loads[b] += lengths[i]
+                break
+        else:
+            bins.append([i])
+            loads.append(lengths[i])
+    return bins
+
+
+def split_to_count(groups: List[List[int]], count: int) -> List[List[int]]:
+    """Splits the groups with the most sequences until there are ``count`` (so that every DP rank
+    runs the same number of micro-batches in Megatron's schedule)."""
+    groups = [list(g) for g in groups]
+    while len(groups) < count:
+        g = max(range(len(groups)), key=lambda k: len(groups[k]))
+        if len(groups[g]) < 2:
+            raise ValueError(f"cannot split {len(groups)} micro-batches into {count}: too few sequences")
+        half = len(groups[g]) // 2
+        groups[g:g + 1] = [groups[g][:half], groups[g][half:]]
+    return groups
+
+
+def plan_groups(mask: torch.Tensor, spec: PlanSpec) -> List[List[int]]:
+    """The sequence indices of each micro-batch (before any count equalisation)."""
+    rows = mask.shape[0]
+    if spec.max_tokens is None and not spec.packing:
+        return [list(range(i, min(i + spec.micro_batch_size, rows))) for i in range(0, rows, spec.micro_batch_size)]
+    lengths = needed_lengths(mask)
+    if spec.packing:
+        capacity = max(spec.max_tokens or 0, _round_up(max(lengths), spec.multiple))
+        return [sorted(b) for b in first_fit_decreasing(lengths, capacity)]
+    return group_by_tokens(lengths, spec.max_tokens, spec.multiple)
+
+
+def build_plan(input_ids: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor, spec: PlanSpec,
+               groups: Optional[List[List[int]]] = None) -> List[MicroBatch]:
+    """The micro-batches of a padded batch ``[b, S]`` (``groups``: from ``plan_groups``, maybe split)."""
+    groups = plan_groups(mask, spec) if groups is None else groups
+    if spec.max_tokens is None and not spec.packing:
+        return [_padded(k, g, input_ids, labels, spec) for k, g in enumerate(groups)]
+    lengths = needed_lengths(mask)
+    if spec.packing:
+        width = _round_up(max(lengths), spec.multiple)
+        width = max(width, _round_up(spec.max_tokens or 0, spec.multiple)) if spec.fixed_width else None
+        return [_packed(k, g, lengths, input_ids, labels, spec, width) for k, g in enumerate(groups)]
+    return [_budget(k, g, lengths, input_ids, labels, spec) for k, g in enumerate(groups)]
+
+
+def _padded(k, group, input_ids, labels, spec: PlanSpec) -> MicroBatch:
+    seqs = torch.tensor(group, dtype=torch.long, device=input_ids.device)
+    ids, lab = input_ids[seqs], labels[seqs]
+    extra = spec.micro_batch_size - len(group) if spec.fixed_width else 0
+    if extra > 0:  # pipeline parallelism: whole micro-batches (the P2P buffers have one shape)
+        ids, lab = torch.cat([ids, ids[:1].expand(extra, -1)]), torch.cat([lab, lab[:1].expand(extra, -1)])
+        return _scattered(k, seqs, ids, lab, [(r, 0, input_ids.shape[1]) for r in range(len(group))], input_ids.shape[1])
+    return MicroBatch(k, seqs, ids, lab)
+
+
+def _budget(k, group, lengths, input_ids, labels, spec: PlanSpec) -> MicroBatch:
+    seqs = torch.tensor(group, dtype=torch.long, device=input_ids.device)
+    width = min(_round_up(max(lengths[i] for i in group), spec.multiple), input_ids.shape[1])
+    return _scattered(k, seqs, input_ids[seqs, :width], labels[seqs, :width],
+                      [(r, 0, lengths[i]) for r, i in enumerate(group)], input_ids.shape[1])
+
+
+def _scattered(k, seqs, ids, lab, places, full_width) -> MicroBatch:
+    """``places``: per sequence ``(row, offset, length)`` in ``ids``."""
+    width = ids.shape[1]
+    pos = torch.arange(full_width, device=ids.device)
+    gather = torch.zeros((len(places), full_width), dtype=torch.long, device=ids.device)
+    valid = torch.zeros((len(places), full_width), dtype=torch.bool, device=ids.device)
+    for j, (row, offset, length) in enumerate(places):
+        gather[j, :length] = row * width + offset + pos[:length]
+        valid[j, :length] = True
+    return MicroBatch(k, seqs, ids, lab, gather, valid)
+
+
+def _packed(k, group, lengths, input_ids, labels, spec: PlanSpec, width: Optional[int]) -> MicroBatch:
+    """One row holding ``group``'s sequences back to back; the row's end padded to ``width``."""
+    seqs = torch.tensor(group, dtype=torch.long, device=input_ids.device)
+    used = sum(lengths[i] for i in group)
+    width = width or _round_up(used, spec.multiple)
+    ids = torch.zeros((1, width), dtype=torch.long, device=input_ids.device)
+    lab = torch.zeros_like(ids)
+    positions = torch.zeros_like(ids)
+    places, offset, seqlens = [], 0, []
+    for i in group:
+        n = lengths[i]
+        ids[0, offset:offset + n], lab[0, offset:offset + n] = input_ids[i, :n], labels[i, :n]
+        positions[0, offset:offset + n] = torch.arange(n, device=ids.device)
+        places.append((0, offset, n))
+        seqlens.append(n)
+        offset += n
+    if width > used:  # the row's tail: its own segment (positions from 0, attending only to itself)
+        positions[0, used:] = torch.arange(width - used, device=ids.device)
+        seqlens.append(width - used)
+    mb = _scattered(k, seqs, ids, lab, places, input_ids.shape[1])
+    mb.position_ids = positions
+    if spec.thd:
+        mb.packed_seq_params = thd_params(seqlens, ids.device)
+    else:
+        mb.attention_mask = block_causal_mask(seqlens, ids.device)
+    return mb
+
+
+def block_causal_mask(seqlens: Sequence[int], device=None) -> torch.Tensor:
+    """``[1, 1, L, L]`` bool, True = masked: token i sees token j only in its own segment and j <= i."""
+    segment = torch.repeat_interleave(torch.arange(len(seqlens), device=device),
+                                      torch.tensor(list(seqlens), device=device))
+    total = segment.numel()
+    causal = torch.ones((total, total), dtype=torch.bool, device=device).tril()
+    allowed = causal & (segment[:, None] == segment[None, :])
+    return (~allowed)[None, None]
+
+
+def cu_seqlens(seqlens: Sequence[int], device=None) -> torch.Tensor:
+    """``[len + 1]`` int32 cumulative lengths starting at 0 (THD's boundaries)."""
+    return torch.cumsum(torch.tensor([0, *seqlens], dtype=torch.int32, device=device), 0, dtype=torch.int32)
+
+
+def thd_params(seqlens: Sequence[int], device=None):
+    """Megatron's ``PackedSeqParams`` for one packed row (Transformer Engine's THD attention)."""
+    cu = cu_seqlens(seqlens, device)
+    longest = max(seqlens)
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                           max_seqlen_q=longest, max_seqlen_kv=longest)
+
+
+def computed_tokens(plan: Sequence[MicroBatch]) -> int:
+    """Tokens the model computes for a plan (padding included)."""
+    return sum(mb.num_computed_tokens for mb in plan)
