@@ -168,7 +168,8 @@ def check_mismatch(rows, config) -> List[Finding]:
         region = mean(series(rows, "clip/phantom_region_fraction"))
         measured.append(f"phantom clipping zeroes {phantom:.1%} of token gradients (legitimate: {legit:.1%}; "
                         f"{region:.1%} of tokens pushed outside the trust region by the gap)")
-    message = (f"mismatched precisions: {_dtypes_sentence(config)}; over {len(rows)} steps {', '.join(measured)}. "
+    message = (f"mismatched precisions: {_dtypes_sentence(config)}; over {len(rows)} steps"
+               f"{sampled_note(rows, 'precision/beta_abs_mean')} {', '.join(measured)}. "
                "Below the problem thresholds so far, but the gap is in every PPO ratio (the write-up's "
                "fp32-vs-bf16 run: 13.5% of gradients zeroed at step 3, 17.2% of tokens phantom-clipped at step 5; "
                "it did not learn)")
