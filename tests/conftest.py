@@ -42,6 +42,14 @@ def tiny_tied(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory):
+    """Llama-shaped (SmolLM2 in miniature): no QK-norm, tied embeddings, GQA, rope theta 1e5, eps 1e-5."""
+    from megatron_grpo.models.tiny import make_tiny_model
+
+    return make_tiny_model(str(tmp_path_factory.mktemp("models") / "tiny-llama"), "llama")
+
+
+@pytest.fixture(scope="session")
 def megatron_single():
     """Initialises a 1-rank gloo world + Megatron parallel state once for the session."""
     from megatron_grpo.parallel import state

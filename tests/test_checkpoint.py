@@ -730,3 +730,39 @@ def test_te_and_local_layer_checkpoints_load_into_each_other_and_export(tmp_path
         assert norm_keys[save_map] in got["keys"] and "decoder.layers.self_attention.linear_qkv.layer_norm_weight" \
             in got["keys"], got["keys"]
         assert got["weights"] and got["moments"] and got["num_moments"] > 0 and got["norms"], (model, save_map, got)
+
+
+def test_a_llama_run_exports_hf_with_its_config_and_weights(tmp_path, tiny_llama):
+    """A recipe naming a Llama folder (no QK-norm, tied embeddings) runs a step (the trainer's own
+    generation), saves, and export-hf writes a Llama HF model back: its config, no q/k-norm and no
+    lm_head tensors, the weights it loaded (lr 1e-12: Adam moves each by <= 1e-12), transformers' logits."""
+    import json
+
+    import torch
+    import transformers
+    from safetensors.torch import load_file
+
+    out = tmp_path / "hf"
+    code, log, rows = run_cli([f"policy.model_name={tiny_llama}", "generation.backend=megatron", "grpo.max_num_steps=1",
+                               "grpo.num_prompts_per_step=2", "grpo.num_generations_per_prompt=4",
+                               "generation.max_new_tokens=8", "policy.megatron_cfg.optimizer.lr=1e-12",
+                               f"checkpointing.checkpoint_dir={tmp_path / 'ck'}", f"checkpointing.export_hf={out}"],
+                              str(tmp_path / "run"))
+    assert code == 0, log[-3000:]
+    assert [r["step"] for r in rows] == [1]
+    config = json.loads((out / "config.json").read_text())
+    assert (config["model_type"], config["architectures"], config["tie_word_embeddings"]) == (
+        "llama", ["LlamaForCausalLM"], True)
+    exported = {}
+    for name in sorted(os.listdir(out)):
+        if name.endswith(".safetensors"):
+            exported.update(load_file(str(out / name)))
+    original = load_file(os.path.join(tiny_llama, "model.safetensors"))
+    assert set(exported) == set(original) and not [n for n in exported if "q_norm" in n or "k_norm" in n]
+    for name, tensor in original.items():
+        torch.testing.assert_close(exported[name], tensor, rtol=0, atol=1e-9, msg=name)
+    ids = torch.randint(0, 1000, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logits = [transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32)(ids).logits
+                  for d in (str(out), tiny_llama)]
+    torch.testing.assert_close(logits[0], logits[1], rtol=0, atol=1e-5)

@@ -32,7 +32,7 @@ def _built(model_dir, params_dtype=torch.float32):
     return model, shape
 
 
-@pytest.mark.parametrize("fixture", ["tiny_dense", "tiny_moe", "tiny_tied"])
+@pytest.mark.parametrize("fixture", ["tiny_dense", "tiny_moe", "tiny_tied", "tiny_llama"])
 def test_param_count_equals_the_built_model(fixture, request, megatron_single):
     model, shape = _built(request.getfixturevalue(fixture))
     count = count_params(shape)

@@ -321,3 +321,14 @@ def test_server_on_another_host_gloo_push_from_two_stages_parity_and_dead_server
             stage1["sender"].close()
         engine.close()
         shutil.rmtree(os.path.dirname(model_dir), ignore_errors=True)
+
+
+def test_llama_vllm_loads_takes_pushes_and_the_probe_catches_a_bad_one(tiny_llama):
+    """vLLM serves the tiny Llama (no QK-norm, tied embeddings: the pushed ``lm_head.weight`` is the
+    embedding's); after a push its log-probs follow the new weights and match ours; a push that drops a
+    tensor fails the probe, a misnamed one is refused."""
+    r0 = run_distributed(_push_worker, 1, tiny_llama, 1, "file")[0]
+    assert isinstance(r0["good"], dict) and r0["good"]["sync/logprob_abs_diff_mean"] < 1e-4, r0["good"]
+    assert r0["moved"] > 1e-2
+    assert isinstance(r0["dropped"], str) and "failed the parity probe" in r0["dropped"]
+    assert r0["misnamed"] is not None and "upp_proj" in r0["misnamed"]

@@ -1,4 +1,4 @@
-"""HF <-> Megatron weights: logit parity with transformers (TP=1, TP=2, EP=2) and round trips."""
+"""HF <-> Megatron weights: logit parity with transformers (TP=1, TP=2, EP=2; Qwen3 and Llama) and round trips."""
 
 import os
 import shutil
@@ -100,7 +100,8 @@ def _check(results, model_dir, tol):
         assert set(exported) == set(original)
         for name, tensor in original.items():
             assert torch.equal(exported[name], tensor), name
-    check_pushes([pushes for _, _, pushes in results], original)
+    tied = {"lm_head.weight": original.get("lm_head.weight", original["model.embed_tokens.weight"])}
+    check_pushes([pushes for _, _, pushes in results], {**original, **tied})  # a push names the tied head too
 
 
 @pytest.mark.parametrize("which, tol", [("dense", 1e-4), ("moe", 1e-3)])
@@ -129,6 +130,29 @@ def test_tied_embeddings_parity(tiny_tied, megatron_single):
     assert (logits - _hf_logits(tiny_tied, _ids())).abs().max().item() <= 1e-4
     exported = dict(export_hf_tensors(model, shape))
     assert torch.equal(exported["lm_head.weight"], exported["model.embed_tokens.weight"])
+
+
+def test_llama_tp2_logits_and_bit_exact_round_trip(tiny_llama):
+    """Llama (no QK-norm, tied embeddings, GQA, rope theta 1e5, eps 1e-5): Megatron at TP=2 gives
+    transformers' logits; HF -> Megatron TP=2 -> HF is bit-exact; pushes carry every tensor."""
+    from megatron_grpo.models import load_hf_config, shape_from_hf
+
+    shape = shape_from_hf(load_hf_config(tiny_llama))
+    assert (shape.model_type, shape.qk_norm, shape.tie_word_embeddings) == ("llama", False, True)
+    assert (shape.num_heads, shape.num_kv_heads, shape.rope_theta, shape.rms_norm_eps) == (4, 2, 1e5, 1e-5)
+    _check(run_distributed(_parity_worker, 2, tiny_llama, 2, 1), tiny_llama, 1e-4)
+
+
+@pytest.mark.parametrize("change, named", [
+    (dict(rope_scaling={"rope_type": "llama3", "factor": 8.0}), "rope scaling 'llama3'"),
+    (dict(attention_bias=True), "attention_bias"), (dict(mlp_bias=True), "mlp_bias"),
+    (dict(hidden_act="gelu"), "hidden_act 'gelu'")])
+def test_llama_configs_the_builder_does_not_map_are_refused(change, named, tiny_llama):
+    from megatron_grpo.models import load_hf_config, shape_from_hf
+
+    cfg = dict(load_hf_config(tiny_llama), rope_parameters=None, **change)
+    with pytest.raises(ValueError, match=named):
+        shape_from_hf(cfg)
 
 
 def test_missing_tensor_names_file_and_tensor(tiny_dense, tmp_path, megatron_single):

@@ -156,8 +156,8 @@ class PolicyConfig:
     """The trained model."""
 
     model_name: Optional[str] = None
-    """HF checkpoint dir (Qwen3 / Qwen3-MoE); ``tiny:qwen3`` / ``tiny:qwen3-moe`` = an embedded tiny
-    model made on first use; null = ``tiny:qwen3``."""
+    """HF checkpoint dir (Qwen3 / Qwen3-MoE / Llama); ``tiny:qwen3`` / ``tiny:qwen3-moe`` / ``tiny:llama`` =
+    an embedded tiny model made on first use; null = ``tiny:qwen3``."""
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     """Trainer/generator precisions."""
     megatron_cfg: MegatronConfig = field(default_factory=MegatronConfig)

@@ -1,4 +1,8 @@
-"""Qwen3 / Qwen3-MoE Hugging Face configs -> Megatron-Core ``GPTModel``."""
+"""Qwen3 / Qwen3-MoE / Llama Hugging Face configs -> Megatron-Core ``GPTModel``.
+
+Llama (``LlamaForCausalLM``: SmolLM2, Llama 2/3 without rope scaling) is Qwen3 without QK-norm:
+``ModelShape.qk_norm`` is the one switch; GQA, tied or untied embeddings, rope theta and RMSNorm eps
+come from the config as for Qwen3."""
 
 from __future__ import annotations
 
@@ -16,12 +20,12 @@ from megatron_grpo.models.spec import model_spec
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_MODEL_TYPES = ("qwen3", "qwen3_moe")
+SUPPORTED_MODEL_TYPES = ("qwen3", "qwen3_moe", "llama")
 
 
 @dataclass
 class ModelShape:
-    """The subset of a Qwen3 HF config the builder and the weight maps need."""
+    """The subset of a Qwen3 / Llama HF config the builder and the weight maps need."""
 
     model_type: str
     vocab_size: int
@@ -39,6 +43,8 @@ class ModelShape:
     moe_topk: int = 0
     moe_ffn_hidden_size: int = 0
     norm_topk_prob: bool = True
+    qk_norm: bool = True
+    """RMSNorm on each head's queries and keys (Qwen3: ``q_norm`` / ``k_norm``); Llama has none."""
 
     @property
     def is_moe(self) -> bool:
@@ -55,11 +61,12 @@ def load_hf_config(model_dir: str) -> Dict[str, Any]:
 
 
 def shape_from_hf(cfg: Dict[str, Any]) -> ModelShape:
-    """Extracts a ``ModelShape`` from an HF config dict (Qwen3 or Qwen3-MoE)."""
+    """Extracts a ``ModelShape`` from an HF config dict (Qwen3, Qwen3-MoE or Llama)."""
     model_type = cfg.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(f"model_type {model_type!r} not supported; expected one of {SUPPORTED_MODEL_TYPES}")
     rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    _check_supported(cfg, model_type, rope)
     shape = ModelShape(
         model_type=model_type, vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
         num_layers=cfg["num_hidden_layers"], num_heads=cfg["num_attention_heads"],
@@ -68,7 +75,7 @@ def shape_from_hf(cfg: Dict[str, Any]) -> ModelShape:
         ffn_hidden_size=cfg["intermediate_size"], rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
         rope_theta=float(cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0),
         max_position_embeddings=cfg.get("max_position_embeddings", 4096),
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)), qk_norm=model_type != "llama",
     )
     if model_type == "qwen3_moe":
         if cfg.get("mlp_only_layers") or cfg.get("decoder_sparse_step", 1) != 1:
@@ -78,6 +85,18 @@ def shape_from_hf(cfg: Dict[str, Any]) -> ModelShape:
         shape.moe_ffn_hidden_size = cfg["moe_intermediate_size"]
         shape.norm_topk_prob = bool(cfg.get("norm_topk_prob", True))
     return shape
+
+
+def _check_supported(cfg: Dict[str, Any], model_type: str, rope: Dict[str, Any]) -> None:
+    """What the builder does not map is refused by name (a silently different model otherwise)."""
+    rope_type = rope.get("rope_type") or rope.get("type")
+    unsupported = {"rope scaling " + repr(rope_type): rope_type not in (None, "default"),
+                   "attention_bias": bool(cfg.get("attention_bias")), "mlp_bias": bool(cfg.get("mlp_bias")),
+                   "hidden_act " + repr(cfg.get("hidden_act")): cfg.get("hidden_act", "silu") != "silu"}
+    found = [name for name, bad in unsupported.items() if bad]
+    if found:
+        raise ValueError(f"model_type {model_type!r} with {', '.join(found)} is not supported (only plain rope, "
+                         f"no linear biases, SiLU)")
 
 
 SEQUENCE_PARALLEL_KEY = "policy.megatron_cfg.sequence_parallel"
@@ -109,7 +128,7 @@ def sequence_multiple(config) -> int:
 def transformer_config(shape: ModelShape, *, params_dtype: torch.dtype = torch.float32, tp: int = 1, pp: int = 1,
                        ep: int = 1, etp: int = 1, router_dtype: str = "fp32", moe_aux_loss_coeff: float = 0.0,
                        moe_z_loss_coeff: float = 0.0, sequence_parallel: bool = False):
-    """A Megatron ``TransformerConfig`` equivalent to the HF Qwen3 architecture."""
+    """A Megatron ``TransformerConfig`` equivalent to the HF Qwen3 / Llama architecture."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     moe: Dict[str, Any] = {}
@@ -128,8 +147,8 @@ def transformer_config(shape: ModelShape, *, params_dtype: torch.dtype = torch.f
         num_layers=shape.num_layers, hidden_size=shape.hidden_size, num_attention_heads=shape.num_heads,
         num_query_groups=shape.num_kv_heads, kv_channels=shape.head_dim, ffn_hidden_size=shape.ffn_hidden_size,
         normalization="RMSNorm", layernorm_epsilon=shape.rms_norm_eps, gated_linear_unit=True,
-        activation_func=torch.nn.functional.silu, add_bias_linear=False, add_qkv_bias=False, qk_layernorm=True,
-        hidden_dropout=0.0, attention_dropout=0.0, bias_activation_fusion=False, bias_dropout_fusion=False,
+        activation_func=torch.nn.functional.silu, add_bias_linear=False, add_qkv_bias=False,
+        qk_layernorm=shape.qk_norm, hidden_dropout=0.0, attention_dropout=0.0, bias_activation_fusion=False, bias_dropout_fusion=False,
         masked_softmax_fusion=False, persist_layer_norm=False, apply_rope_fusion=False,
         gradient_accumulation_fusion=False, use_cpu_initialization=not torch.cuda.is_available(),
         params_dtype=params_dtype, bf16=params_dtype == torch.bfloat16, fp16=params_dtype == torch.float16,

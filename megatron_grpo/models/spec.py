@@ -32,8 +32,10 @@ def te_usable() -> bool:
     return True
 
 
-def layer_spec(num_experts: int | None, backend: str = "auto", sequence_parallel: bool = False):
-    """The GPT layer spec for Qwen3 (RMSNorm, QK-norm, SwiGLU, optional MoE).
+def layer_spec(num_experts: int | None, backend: str = "auto", sequence_parallel: bool = False,
+               qk_layernorm: bool = True):
+    """The GPT layer spec for Qwen3 (RMSNorm, QK-norm, SwiGLU, optional MoE) or, without
+    ``qk_layernorm``, Llama.
 
     ``backend``: ``auto`` (TE if usable), ``te`` (error if not usable) or ``local``. With
     ``sequence_parallel`` the local spec's norms are ``SequenceParallelRMSNorm`` (Megatron's
@@ -47,27 +49,29 @@ def layer_spec(num_experts: int | None, backend: str = "auto", sequence_parallel
     experts = num_experts or None
     if use_te:
         logger.info("layer spec: Transformer Engine (TE GEMMs)")
-        return gpt_layer_spec(use_te=True, num_experts=experts), "te"
+        return gpt_layer_spec(use_te=True, num_experts=experts, qk_layernorm=qk_layernorm), "te"
     logger.info("layer spec: Megatron-Core local (torch layers)")
-    spec = gpt_layer_spec(use_te=False, num_experts=experts)
+    spec = gpt_layer_spec(use_te=False, num_experts=experts, qk_layernorm=qk_layernorm)
     if sequence_parallel:
-        _use_sequence_parallel_norms(spec)
+        _use_sequence_parallel_norms(spec, qk_layernorm)
     return spec, "local"
 
 
-def _use_sequence_parallel_norms(spec) -> None:
-    """The local layer spec's four norms (input, pre-MLP, QK) -> ``SequenceParallelRMSNorm``."""
+def _use_sequence_parallel_norms(spec, qk_layernorm: bool) -> None:
+    """The local layer spec's norms (input, pre-MLP, QK when present) -> ``SequenceParallelRMSNorm``."""
     layer = spec.submodules
     layer.input_layernorm = layer.pre_mlp_layernorm = SequenceParallelRMSNorm
-    attention = layer.self_attention.submodules
-    attention.q_layernorm = attention.k_layernorm = SequenceParallelRMSNorm
+    if qk_layernorm:
+        attention = layer.self_attention.submodules
+        attention.q_layernorm = attention.k_layernorm = SequenceParallelRMSNorm
 
 
 def model_spec(config, num_experts: int | None, backend: str = "auto"):
     """What ``GPTModel`` takes as ``transformer_layer_spec``, and the backend chosen: the layer spec,
     or with local layers and sequence parallelism the block's submodules, whose final norm is then
     ``SequenceParallelRMSNorm`` too (for a bare layer spec Megatron picks ``WrappedTorchNorm``)."""
-    spec, chosen = layer_spec(num_experts, backend, sequence_parallel=config.sequence_parallel)
+    spec, chosen = layer_spec(num_experts, backend, sequence_parallel=config.sequence_parallel,
+                               qk_layernorm=config.qk_layernorm)
     if chosen != "local" or not config.sequence_parallel:
         return spec, chosen
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build

@@ -1,4 +1,4 @@
-"""Tiny random-init Qwen3 / Qwen3-MoE checkpoints with a locally trained BPE tokenizer.
+"""Tiny random-init Qwen3 / Qwen3-MoE / Llama checkpoints with a locally trained BPE tokenizer.
 
 No hub access anywhere: the config is built in code, the weights are random
 (seeded), the tokenizer is trained with ``tokenizers`` on a synthetic corpus. The
@@ -24,9 +24,16 @@ TINY_SHAPES: Dict[str, Dict] = {
     "qwen3-moe": dict(vocab_size=1024, hidden_size=128, intermediate_size=384, moe_intermediate_size=96,
                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
                       num_experts=4, num_experts_per_tok=2, norm_topk_prob=True),
+    "llama": dict(vocab_size=1024, hidden_size=128, intermediate_size=384, num_hidden_layers=4,
+                  num_attention_heads=4, num_key_value_heads=2, rope_theta=1.0e5, rms_norm_eps=1e-5),
 }
 """About 1.0M (dense) and 0.9M (MoE) parameters: big enough for a visible bf16 gap, small
-enough that emulated bf16 on 2 CPU cores stays fast."""
+enough that emulated bf16 on 2 CPU cores stays fast. The Llama is SmolLM2-shaped in miniature:
+no QK-norm, GQA, head_dim = hidden / heads, SmolLM2's rope theta and eps, tied embeddings (default)."""
+
+_CLASSES = {"qwen3": ("Qwen3Config", "Qwen3ForCausalLM"), "qwen3-moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+            "llama": ("LlamaConfig", "LlamaForCausalLM")}
+TIED_BY_DEFAULT = ("llama",)
 
 _WORDS = ("the a of to and in is it you that he was for on are with as I his they be at one have this from "
           "or had by hot word but what some we can out other were all there when up use your how said an each "
@@ -58,9 +65,10 @@ def build_tokenizer(vocab_size: int, seed: int = 0):
                                    bos_token=None, unk_token=None, model_max_length=4096)
 
 
-def make_tiny_model(out_dir: str, arch: str = "qwen3", *, seed: int = 0, tie_word_embeddings: bool = False,
+def make_tiny_model(out_dir: str, arch: str = "qwen3", *, seed: int = 0, tie_word_embeddings: Optional[bool] = None,
                     overrides: Dict | None = None) -> str:
-    """Writes a tiny HF checkpoint (config, safetensors, tokenizer, generation config) to ``out_dir``."""
+    """Writes a tiny HF checkpoint (config, safetensors, tokenizer, generation config) to ``out_dir``.
+    ``tie_word_embeddings``: None = the arch's default (tied for ``TIED_BY_DEFAULT``)."""
     import transformers
 
     if arch not in TINY_SHAPES:
@@ -70,15 +78,14 @@ def make_tiny_model(out_dir: str, arch: str = "qwen3", *, seed: int = 0, tie_wor
     if len(tokenizer) > shape["vocab_size"]:
         raise ValueError(f"tokenizer has {len(tokenizer)} tokens > vocab_size {shape['vocab_size']}")
     eos = tokenizer.convert_tokens_to_ids(EOS_TOKEN)
+    if tie_word_embeddings is None:
+        tie_word_embeddings = arch in TIED_BY_DEFAULT
     common = dict(max_position_embeddings=512, rms_norm_eps=1e-6, rope_theta=10000.0, eos_token_id=eos,
                   bos_token_id=eos, pad_token_id=eos, tie_word_embeddings=tie_word_embeddings,
                   initializer_range=0.02, torch_dtype="float32")
-    if arch == "qwen3":
-        config, model_cls = transformers.Qwen3Config(**shape, **common), transformers.Qwen3ForCausalLM
-    else:
-        config, model_cls = transformers.Qwen3MoeConfig(**shape, **common), transformers.Qwen3MoeForCausalLM
+    config_cls, model_cls = (getattr(transformers, name) for name in _CLASSES[arch])
     torch.manual_seed(seed)
-    model = model_cls(config).float()
+    model = model_cls(config_cls(**dict(common, **shape))).float()
     os.makedirs(out_dir, exist_ok=True)
     model.save_pretrained(out_dir, safe_serialization=True)
     tokenizer.save_pretrained(out_dir)

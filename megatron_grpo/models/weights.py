@@ -1,4 +1,4 @@
-"""Qwen3 weights both ways: HF safetensors <-> Megatron-Core parameters, for any TP/PP/EP.
+"""Qwen3 / Llama weights both ways: HF safetensors <-> Megatron-Core parameters, for any TP/PP/EP.
 
 A ``ParamMap`` says, for one Megatron parameter, which HF tensors it comes from and
 how it is split across tensor-parallel ranks:
@@ -45,10 +45,11 @@ def _layer_maps(shape: ModelShape, layer: int, local_layer: int, backend: str, l
                  (hf + "input_layernorm.weight",), "rep"),
         ParamMap(mc + "self_attention.linear_qkv.weight",
                  tuple(hf + f"self_attn.{p}_proj.weight" for p in "qkv"), "qkv"),
-        ParamMap(mc + "self_attention.q_layernorm.weight", (hf + "self_attn.q_norm.weight",), "rep"),
-        ParamMap(mc + "self_attention.k_layernorm.weight", (hf + "self_attn.k_norm.weight",), "rep"),
-        ParamMap(mc + "self_attention.linear_proj.weight", (hf + "self_attn.o_proj.weight",), "row"),
     ]
+    if shape.qk_norm:  # Qwen3; Llama has none
+        maps += [ParamMap(mc + "self_attention.q_layernorm.weight", (hf + "self_attn.q_norm.weight",), "rep"),
+                 ParamMap(mc + "self_attention.k_layernorm.weight", (hf + "self_attn.k_norm.weight",), "rep")]
+    maps.append(ParamMap(mc + "self_attention.linear_proj.weight", (hf + "self_attn.o_proj.weight",), "row"))
     norm = "mlp.linear_fc1.layer_norm_weight" if te and not shape.is_moe else "pre_mlp_layernorm.weight"
     maps.append(ParamMap(mc + norm, (hf + "post_attention_layernorm.weight",), "rep"))
     if not shape.is_moe:

@@ -111,7 +111,8 @@ def _layer_params(shape: ModelShape, tp: int) -> Tuple[int, int]:
     h, d = shape.hidden_size, shape.head_dim
     qkv = h * (shape.num_heads + 2 * shape.num_kv_heads) * d // tp
     proj = shape.num_heads * d * h // tp
-    dense = 2 * h + 2 * d + qkv + proj  # input / pre-MLP norms, q / k norms (replicated over TP)
+    qk_norms = 2 * d if shape.qk_norm else 0  # Qwen3's q / k norms (replicated over TP); Llama has none
+    dense = 2 * h + qk_norms + qkv + proj  # + input / pre-MLP norms
     if not shape.is_moe:
         return dense + 3 * h * shape.ffn_hidden_size // tp, 0
     return dense + shape.num_experts * h, 3 * h * shape.moe_ffn_hidden_size * shape.num_experts  # router
@@ -119,7 +120,7 @@ def _layer_params(shape: ModelShape, tp: int) -> Tuple[int, int]:
 
 def count_params(shape: ModelShape, *, tp: int = 1, pp: int = 1, ep: int = 1, etp: int = 1,
                  stage: int = 0) -> ParamCount:
-    """Parameters of pipeline ``stage`` on one rank (Megatron's GPTModel for Qwen3 / Qwen3-MoE)."""
+    """Parameters of pipeline ``stage`` on one rank (Megatron's GPTModel for Qwen3 / Qwen3-MoE / Llama)."""
     num_layers_local = shape.num_layers // pp
     dense, expert = _layer_params(shape, tp)
     embedding = shape.vocab_size * shape.hidden_size // tp

@@ -34,6 +34,7 @@ from typing import Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
+from megatron_grpo.compat.vllm import json_safe_update_payload
 from megatron_grpo.rollout.engines.vllm_engine import DTYPE_NAMES
 from megatron_grpo.rollout.transfer.fanout import UNKNOWN_VERSION, fan_out
 from megatron_grpo.rollout.transfer.transport import VLLMTransfer, default_address, digesting
@@ -75,8 +76,6 @@ class ServerWeightSyncClient:
     def update_weights(self, update_info) -> None:
         infos = update_info if isinstance(update_info, list) else [update_info]
         if any("ipc_handles" in info for info in infos):  # ipc: the handles travel pickled, as vLLM's client does
-            from megatron_grpo.compat.vllm import json_safe_update_payload
-
             update_info = json_safe_update_payload(update_info)
         self.engine._post("/update_weights", dict(update_info=update_info), retry=False)
 

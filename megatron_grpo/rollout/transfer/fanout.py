@@ -29,7 +29,7 @@ import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Iterable, List, Sequence, Tuple
+from typing import Callable, Dict, Iterable, List, Sequence, Tuple
 
 import torch
 
@@ -64,6 +64,18 @@ def free_bytes(folder: str) -> int:
     """Bytes an unprivileged writer may still put in ``folder``'s file system."""
     st = os.statvfs(folder)
     return st.f_bavail * st.f_frsize
+
+
+def _unshared(bucket: Bucket) -> Dict[str, torch.Tensor]:
+    """The bucket as safetensors takes it: contiguous, and no two tensors sharing memory (tied embeddings
+    push ``lm_head.weight`` as the embedding itself; safetensors refuses shared storages), a copy where so."""
+    out, seen = {}, set()
+    for name, t in bucket:
+        t = t.detach().contiguous()
+        key = t.untyped_storage().data_ptr()
+        out[name] = t.clone() if key in seen else t
+        seen.add(key)
+    return out
 
 
 def pick_folder(preferred: str, needed: int, fallback: str = None) -> str:
@@ -113,8 +125,8 @@ class SharedFileFanout:
         try:
             from safetensors.torch import save_file
 
-            save_file({name: t.detach().contiguous() for name, t in bucket}, base)  # one copy (as fast as a
-            self.bytes_written += sum(t.numel() * t.element_size() for _, t in bucket)  # hand-made writer)
+            save_file(_unshared(bucket), base)  # one copy (as fast as a hand-made writer)
+            self.bytes_written += sum(t.numel() * t.element_size() for _, t in bucket)
             links = [base] + [f"{base}.{r}" for r in range(1, self.num_readers)]
             for link in links[1:]:
                 os.link(base, link)
