@@ -139,6 +139,60 @@ def test_push_follows_weights_and_probe_catches_bad_pushes(tp, transport, tiny_d
     assert misnamed and "upp_proj" in misnamed[0]
 
 
+def _delta_worker(model_dir, transport):
+    """fp32 params, bf16 engine: 6 delta pushes (full at 0 and 3) over 5 AdamW steps, then a dense push of
+    the same weights: the engine's checksums and log-probs must not move (the delta left it bit-identical)."""
+    from megatron_grpo.models import build_from_hf
+    from megatron_grpo.models.qwen3 import unwrap
+    from megatron_grpo.parallel import state
+    from megatron_grpo.rollout.engines.vllm_engine import VLLMEngine
+    from megatron_grpo.rollout.parity import ProbeBatch
+    from megatron_grpo.rollout.transfer.delta import DeltaState
+    from megatron_grpo.rollout.transfer.weight_sync import push_weights
+
+    state.initialize_model_parallel(state.Layout(world_size=1))
+    model, shape = build_from_hf(model_dir)
+    engine = VLLMEngine(model_dir, torch.bfloat16, max_model_len=128, weight_transfer=transport)
+    probe = ProbeBatch.synthetic(shape.vocab_size)
+    try:
+        params = [p for p in unwrap(model).parameters() if p.requires_grad]
+        opt, gen = torch.optim.AdamW(params, lr=1e-5, weight_decay=0.0), torch.Generator().manual_seed(0)
+        delta, reports = DeltaState(full_every=3), []
+        before = engine.score(probe.sequences, probe.prompt_lens)
+        for version in range(6):
+            if version:
+                for p in params:
+                    p.grad = torch.randn(p.shape, generator=gen)
+                opt.step()
+            reports.append(push_weights(model, shape, engine, version, dtype=torch.bfloat16, bucket_mb=0.25,
+                                        delta=delta))
+        after_delta = (engine.weight_checksums(), engine.score(probe.sequences, probe.prompt_lens),
+                       dict(engine.pushed_digests))
+        dense = push_weights(model, shape, engine, 6, dtype=torch.bfloat16, bucket_mb=0.25)
+        after_dense = (engine.weight_checksums(), engine.score(probe.sequences, probe.prompt_lens),
+                       dict(engine.pushed_digests))
+    finally:
+        engine.close()
+    return dict(reports=[(r.full, r.num_bytes, r.dense_bytes, r.num_patched) for r in reports], dense=dense.num_bytes,
+                before=before, after_delta=after_delta, after_dense=after_dense)
+
+
+@pytest.mark.parametrize("transport", ["file"])
+def test_delta_push_leaves_the_engine_bit_identical_to_a_dense_push(transport, tiny_dense):
+    r = run_distributed(_delta_worker, 1, tiny_dense, transport)[0]
+    fulls = [full for full, *_ in r["reports"]]
+    assert fulls == [True, False, False, True, False, False]
+    for full, sent, dense_bytes, patched in r["reports"]:
+        assert dense_bytes == r["dense"]
+        assert (sent >= dense_bytes and not patched) if full else (sent < 0.9 * dense_bytes and patched > 0)
+    sums_delta, scores_delta, ours_delta = r["after_delta"]
+    sums_dense, scores_dense, ours_dense = r["after_dense"]
+    assert sums_delta == sums_dense and len(sums_delta) > 10  # every vLLM parameter's sha256
+    assert scores_delta == scores_dense and scores_delta != r["before"]  # the weights moved, identically
+    if transport == "gloo":
+        assert ours_delta == ours_dense and ours_delta  # the probe's trainer-side checksums: as a dense push's
+
+
 def test_staleness_gate_never_accepts_two_versions_old():
     gate = StalenessGate(1)
     assert gate.accept(4, 4) and gate.accept(3, 4)

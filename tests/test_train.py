@@ -132,3 +132,16 @@ def test_tiny_moe_ep2_matches_ep1_first_step(tmp_path, tiny_moe):
     assert ep2[0]["sync/logprob_abs_diff_mean"] < 1e-4  # expert shards pushed to vLLM's fused MoE layout
     # fp32 trainer, fp32 router, fp32 vLLM: the routing metrics are logged and show no mismatch
     assert ep2[0]["moe/route_mismatch_fraction"] == 0.0 and ep2[0]["moe/tokens_any_mismatch"] == 0.0
+
+
+def test_delta_push_run_reports_bytes_and_passes_the_parity_probe(tmp_path, tiny_dense):
+    """5 steps of the tiny recipe at lr 1e-5, fp32 params, bf16 engine, ``generation.delta_push``: every push
+    passes the parity probe; the delta pushes (all but the 1st and the 4th: ``delta_full_every=3``) send fewer bytes."""
+    code, out, rows = run_cli([f"policy.model_name={tiny_dense}", "grpo.max_num_steps=5", "grpo.num_prompts_per_step=2",
+                               "grpo.num_generations_per_prompt=8", "grpo.deployed_improvement=false",
+                               "policy.precision.generation_dtype=bfloat16", "generation.delta_push=true",
+                               "generation.delta_full_every=3", "policy.megatron_cfg.optimizer.lr=1e-5"], str(tmp_path))
+    assert code == 0, out[-4000:]
+    fractions = [r["sync/delta_fraction"] for r in rows]
+    assert len(fractions) == 5 and all(r["sync/push_bytes"] > 0 for r in rows)
+    assert all((f >= 1.0) == (i in (0, 3)) for i, f in enumerate(fractions)), fractions

@@ -9,6 +9,9 @@ Usage: python tools/bench_weight_sync.py [--model DIR | --hidden 1024 --layers 8
        [--transports file,gloo]
        python tools/bench_weight_sync.py [--model DIR] --sparse-delta 1e-6,1e-5,1e-4 [--steps 3]
          (what a bf16 sparse delta push would send: the share of bf16 weights one AdamW step changes)
+       python tools/bench_weight_sync.py [--model DIR] --delta-push 1e-6,1e-5,1e-4 [--pushes 5] [--transports file]
+         (``generation.delta_push`` measured: per lr, after each of ``--pushes`` AdamW steps the same engine gets a
+         delta push and then a full push of the same weights: bytes and seconds side by side)
 """
 
 from __future__ import annotations
@@ -93,6 +96,56 @@ def bench_sparse_delta(model, shape, lrs, steps: int, seed: int = 0):
     return rows
 
 
+def bench_delta_push(model, shape, model_dir, transport: str, lrs, pushes: int, bucket_mb: float, seed: int = 0):
+    """Per lr: (lr, dense bytes, delta bytes, dense s, delta s) per push, medians over ``pushes`` AdamW steps
+    (random gradients, bf16 engine). Each step's weights go out twice into one engine: as a delta push
+    (patches against the previous step's) and as a full push (``force_full``: what a dense push sends), so
+    both see the same weights and the engine's base stays valid. Each lr starts from the same weights."""
+    from megatron_grpo.models.qwen3 import unwrap
+    from megatron_grpo.rollout.engines.vllm_engine import VLLMEngine
+    from megatron_grpo.rollout.transfer.delta import DeltaState
+    from megatron_grpo.rollout.transfer.weight_sync import push_weights
+
+    dtype = torch.bfloat16
+    params = [p for p in unwrap(model).parameters() if p.requires_grad]
+    start = [p.detach().clone() for p in params]
+    gen = torch.Generator().manual_seed(seed)
+    engine = VLLMEngine(model_dir, dtype, max_model_len=128, is_moe=shape.is_moe, weight_transfer=transport)
+    rows, version = [], 0
+    try:
+        for lr in lrs:
+            for p, p0 in zip(params, start):
+                p.data.copy_(p0)
+            opt, delta = torch.optim.AdamW(params, lr=lr, weight_decay=0.0), DeltaState()
+            push_weights(model, shape, engine, version, dtype=dtype, bucket_mb=bucket_mb, delta=delta)  # first: full
+            sent = {"delta": [], "dense": []}
+            for _ in range(pushes):
+                for p in params:
+                    p.grad = torch.randn(p.shape, generator=gen)
+                opt.step()
+                for kind in ("delta", "dense"):
+                    version += 1
+                    delta.force_full = kind == "dense"
+                    r = push_weights(model, shape, engine, version, dtype=dtype, bucket_mb=bucket_mb, delta=delta)
+                    sent[kind].append((r.num_bytes, r.seconds))
+            med = {k: [statistics.median(x[i] for x in v) for i in (0, 1)] for k, v in sent.items()}
+            rows.append((lr, med["dense"][0], med["delta"][0], med["dense"][1], med["delta"][1]))
+    finally:
+        engine.close()
+        for p, p0 in zip(params, start):
+            p.data.copy_(p0)
+    return rows
+
+
+def _print_delta_push(model_dir, transport, pushes, rows) -> None:
+    print(f"model={model_dir} transport={transport} generation dtype=bfloat16: delta vs dense push, median of "
+          f"{pushes} pushes, one AdamW step (random gradients) before each")
+    print(f"{'lr':>8}{'dense MiB':>11}{'delta MiB':>11}{'delta/dense':>13}{'dense ms':>10}{'delta ms':>10}")
+    for lr, dense_b, delta_b, dense_s, delta_s in rows:
+        print(f"{lr:>8.0e}{dense_b / 2**20:>11.3f}{delta_b / 2**20:>11.3f}{delta_b / dense_b:>13.3f}"
+              f"{dense_s * 1e3:>10.1f}{delta_s * 1e3:>10.1f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model", default=None, help="HF checkpoint dir (default: a fresh tiny Qwen3)")
@@ -105,6 +158,9 @@ def main() -> None:
     parser.add_argument("--sparse-delta", default=None, metavar="LRS",
                         help="comma-separated lrs: measure what a bf16 sparse delta push would send instead (no vLLM)")
     parser.add_argument("--steps", type=int, default=3, help="--sparse-delta: AdamW steps per lr")
+    parser.add_argument("--delta-push", default=None, metavar="LRS",
+                        help="comma-separated lrs: delta vs dense push bytes and seconds (first --transports value)")
+    parser.add_argument("--pushes", type=int, default=5, help="--delta-push: pushes (AdamW steps) per lr")
     args = parser.parse_args()
 
     from megatron_grpo.models import build_from_hf
@@ -115,6 +171,12 @@ def main() -> None:
     dtype = getattr(torch, args.dtype)
     state.initialize_model_parallel(state.Layout(world_size=1))
     model, shape = build_from_hf(model_dir)
+    if args.delta_push:
+        transport = args.transports.split(",")[0]
+        rows = bench_delta_push(model, shape, model_dir, transport, [float(x) for x in args.delta_push.split(",")],
+                                args.pushes, args.bucket_mb)
+        _print_delta_push(model_dir, transport, args.pushes, rows)
+        return
     if args.sparse_delta:
         print(f"model={model_dir}: bf16 elements changed by one AdamW step (random gradients, median of {args.steps} "
               f"steps) and bytes per push, dense bf16 vs a sparse delta ({SPARSE_BYTES_PER_CHANGE} B per change)")

@@ -68,6 +68,17 @@ class GenerationConfig:
     weight_transfer_address: Optional[str] = None
     """gloo / nccl: the address the engines' workers reach trainer rank 0 at (it hosts the transfer
     group's store on a free port); null = 127.0.0.1 for local engines, this host's address for servers."""
+    delta_push: bool = False
+    """After the first full push, each push sends only the elements whose generation-dtype value changed:
+    a flat-index (int32) + value patch per tensor, computed on each rank from its own shard before the
+    gather (each rank keeps a generation-dtype copy of the shards it last sent); each vLLM worker keeps a
+    host copy of the last full tensors, patches it and reloads full tensors, so the engine's weights are
+    bit-identical to a dense push's. Full pushes: the first, after an engine restart, every
+    ``delta_full_every`` pushes, and per tensor whenever its patch would be at least the dense bytes.
+    Transport ``file`` only (``auto`` resolved to an API transport pushes full weights, with a warning);
+    pipeline-parallel layouts push full weights. Pays off at small learning rates (bf16 at lr 1e-6: ~0.1x the bytes)."""
+    delta_full_every: int = 20
+    """With ``delta_push``: a full push every this many pushes (0 = only the first and after a restart)."""
     batch_invariant: bool = False
     """GPU: run vLLM with ``VLLM_BATCH_INVARIANT=1`` (its batch-invariant kernels): a completion's tokens and
     log-probs no longer depend on what else is in the batch, so N engines give exactly 1 engine's rollouts and a
@@ -93,7 +104,7 @@ class GenerationConfig:
     def __post_init__(self):
         if self.temperature <= 0:
             raise ValueError(f"generation.temperature must be > 0, got {self.temperature}")
-        for key in ("max_staleness", "parity_probe_every", "weight_checksum_every"):
+        for key in ("max_staleness", "parity_probe_every", "weight_checksum_every", "delta_full_every"):
             if getattr(self, key) < 0:
                 raise ValueError(f"generation.{key} must be >= 0, got {getattr(self, key)}")
         if self.parity_growth < 1:
@@ -129,6 +140,10 @@ class GenerationConfig:
         if self.backend == "megatron" and t != "auto":
             raise ValueError(f"generation.weight_transfer={t} with generation.backend=megatron: that engine is the "
                              "trainer's own model, no weights are pushed; leave it auto")
+        if self.delta_push and (self.backend == "megatron" or t in ("gloo", "nccl", "ipc")):
+            raise ValueError(f"generation.delta_push needs generation.weight_transfer file (its worker extension "
+                             f"applies the patches), got backend={self.backend}, weight_transfer={t}; set "
+                             "generation.delta_push=false")
         if t == "ipc" and not self.colocated:
             raise ValueError("generation.weight_transfer=ipc shares GPU memory, so the engines must be colocated: set "
                              "generation.colocated=true, or use nccl for dedicated engines")

@@ -200,6 +200,11 @@ class EnginePool(RolloutEngine):
                 raise type(exc)(f"engine {i} of {len(self.engines)} failed to start: {exc}") from exc
             raise exc
 
+    @property
+    def accepts_delta_push(self) -> bool:
+        """Every engine applies delta patches (a pool pushes the same buckets to all)."""
+        return all(getattr(e, "accepts_delta_push", False) for e in self.engines if e is not None)
+
     def restart_failed(self) -> List[int]:
         """Rebuilds the engines that died or failed (all of them if none is known to have); the
         others keep their state. The restarted ones get the next weight push. Returns their indices."""

@@ -34,6 +34,7 @@ from megatron_grpo.parallel import comm
 from megatron_grpo.rollout import Sampling
 from megatron_grpo.rollout.parity import DEFAULT_MAX_TOLERANCE, DEFAULT_TOLERANCE, ParityError, ProbeBatch, check_parity
 from megatron_grpo.rollout.staleness import StalenessGate
+from megatron_grpo.rollout.transfer.delta import DeltaState
 from megatron_grpo.rollout.transfer.weight_sync import PushReport, push_weights
 from megatron_grpo.rollout.types import GeneratorError
 from megatron_grpo.trainer import build as setup
@@ -62,6 +63,9 @@ class GRPOTrainer:
         """(prompts, sampling) of each submitted step index until it trains (retries reuse them)."""
         self._stop_requested, self._last_push_names = False, []
         self.probe, self.parity_baseline = None, None
+        g = cfg.generation
+        self.delta = DeltaState(full_every=g.delta_full_every) if g.delta_push else None
+        """This rank's delta-push state (``rollout/transfer/delta.py``), None with full pushes."""
         self._timing: Dict[str, float] = {}
         """Host seconds of this step's phases (``timing/<phase>_s``), measured with perf_counter."""
         resumed = self.maybe_resume()
@@ -246,6 +250,8 @@ class GRPOTrainer:
         """Rebuilds the dead or failed engines of the pool on rank 0 (the others keep their state) and
         (unless the caller pushes itself) pushes the current weights to them (collective)."""
         self._pending.clear()
+        if self.delta is not None:  # every rank: a restarted engine holds no base for patches
+            self.delta.force_full = True
         restart = getattr(self.ctx.engine, "restart_failed", None)  # the megatron backend has no process
         if restart is not None:
             restart()
@@ -312,7 +318,9 @@ class GRPOTrainer:
                 break
             self._recover_generator(attempt, "the weight push", failure, push=False)
         self._last_push_names = report.names
-        out = {"sync/push_s": torch.tensor(report.seconds, device=self.ctx.device)}
+        out = {"sync/push_s": torch.tensor(report.seconds, device=self.ctx.device),
+               "sync/push_bytes": torch.tensor(float(report.num_bytes), device=self.ctx.device),
+               "sync/delta_fraction": torch.tensor(report.num_bytes / max(report.dense_bytes, 1), device=self.ctx.device)}
         self._timing = {"timing/weight_push_s": time.perf_counter() - started, "timing/parity_s": 0.0}
         if probe:
             started = time.perf_counter()
@@ -328,7 +336,7 @@ class GRPOTrainer:
             return PushReport(version=self.version)
         return push_weights(self.ctx.model, self.ctx.shape, self.ctx.engine, self.version,
                             dtype=to_dtype(self.cfg.policy.precision.generation_dtype),
-                            bucket_mb=self.cfg.generation.weight_push_bucket_mb)
+                            bucket_mb=self.cfg.generation.weight_push_bucket_mb, delta=self.delta)
 
     def _recover_generator(self, attempt: int, during: str, error: str, push: bool = True) -> None:
         """After a generator crash (every rank agrees): restart it, or stop after too many tries."""

