@@ -313,6 +313,7 @@ def test_push_buffers_hold_whole_layers_as_the_exported_checkpoint_has_them(tiny
 
 
 
+@pytest.mark.vllm
 def test_nccl_transport_adds_vllms_packed_buffers_on_rank_0_only():
     """vLLM's nccl weight transfer packs the push into 2 x 1 GiB buffers (each closed once past 1 GiB, so up to
     one tensor more) on trainer rank 0, the only member of its group with the engines: stage 0 counts them, the

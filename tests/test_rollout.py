@@ -177,6 +177,7 @@ def _delta_worker(model_dir, transport):
                 before=before, after_delta=after_delta, after_dense=after_dense)
 
 
+@pytest.mark.vllm
 @pytest.mark.parametrize("transport", ["file"])
 def test_delta_push_leaves_the_engine_bit_identical_to_a_dense_push(transport, tiny_dense):
     r = run_distributed(_delta_worker, 1, tiny_dense, transport)[0]
@@ -377,6 +378,7 @@ def test_server_on_another_host_gloo_push_from_two_stages_parity_and_dead_server
         shutil.rmtree(os.path.dirname(model_dir), ignore_errors=True)
 
 
+@pytest.mark.vllm
 def test_llama_vllm_loads_takes_pushes_and_the_probe_catches_a_bad_one(tiny_llama):
     """vLLM serves the tiny Llama (no QK-norm, tied embeddings: the pushed ``lm_head.weight`` is the
     embedding's); after a push its log-probs follow the new weights and match ours; a push that drops a

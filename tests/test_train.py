@@ -134,6 +134,7 @@ def test_tiny_moe_ep2_matches_ep1_first_step(tmp_path, tiny_moe):
     assert ep2[0]["moe/route_mismatch_fraction"] == 0.0 and ep2[0]["moe/tokens_any_mismatch"] == 0.0
 
 
+@pytest.mark.vllm
 def test_delta_push_run_reports_bytes_and_passes_the_parity_probe(tmp_path, tiny_dense):
     """5 steps of the tiny recipe at lr 1e-5, fp32 params, bf16 engine, ``generation.delta_push``: every push
     passes the parity probe; the delta pushes (all but the 1st and the 4th: ``delta_full_every=3``) send fewer bytes."""
