@@ -586,23 +586,9 @@ def _fake_cuda_scale():
     ``.cpu()`` a plain host copy)."""
     import torch
 
-    class OnGPU(torch.Tensor):
-        @property
-        def device(self):
-            return torch.device("cuda", 0)
+    from tests._fakes import OnFakeGPU
 
-        @property
-        def is_cuda(self):
-            return True
-
-        @classmethod
-        def __torch_function__(cls, func, types, args=(), kwargs=None):
-            if func is torch.Tensor.cpu:
-                with torch._C.DisableTorchFunctionSubclass():
-                    return args[0].clone()
-            return super().__torch_function__(func, types, args, kwargs or {})
-
-    return torch.tensor([65536.0]).as_subclass(OnGPU)
+    return torch.tensor([65536.0]).as_subclass(OnFakeGPU)
 
 
 def _tag_as_cuda(monkeypatch, tensor):

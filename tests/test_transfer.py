@@ -10,6 +10,8 @@ from collections import namedtuple
 import pytest
 import torch
 
+from tests._fakes import OnFakeGPU
+
 from megatron_grpo.rollout.transfer import fanout
 from megatron_grpo.rollout.transfer.transport import resolve_transport
 
@@ -91,29 +93,6 @@ def test_two_pipeline_stage_senders_feed_one_receiver_and_an_abort_names_the_sen
     assert out[("send", 0)] is None and "gather failed" in str(out[("send", 1)])  # stage 0 finished: drained
 
 
-class _OnFakeGPU(torch.Tensor):
-    """A tensor that says it lives on cuda:0 (a bucket gathered on the trainer's GPU); copying it to
-    host (``.cpu()`` / ``.to("cpu")``) gives a plain CPU tensor."""
-
-    @property
-    def device(self):
-        return torch.device("cuda", 0)
-
-    @property
-    def is_cuda(self):
-        return True
-
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        to_host = func is torch.Tensor.cpu or (func is torch.Tensor.to and any(
-            str(a) == "cpu" for a in list(args[1:]) + list(kwargs.values())))
-        if to_host:
-            with torch._C.DisableTorchFunctionSubclass():
-                return args[0].clone()
-        return super().__torch_function__(func, types, args, kwargs)
-
-
 class _RecordingGroup:
     """A gloo group that records what each ``send`` would hand to gloo's TCP transport."""
 
@@ -135,7 +114,7 @@ def test_gloo_sends_buckets_of_cuda_tensors_from_host_memory(monkeypatch):
     assert resolve_transport("gloo", "vllm_server", colocated=False, cuda=True) == "gloo"
     group = _RecordingGroup()
     monkeypatch.setattr(gt, "open_group", lambda *args: group)
-    bucket = [(name, t.as_subclass(_OnFakeGPU)) for name, t in _buckets(0)[0]]
+    bucket = [(name, t.as_subclass(OnFakeGPU)) for name, t in _buckets(0)[0]]
     assert all(t.is_cuda for _, t in bucket)
     gt.GlooSender(gt.TransferEndpoint("127.0.0.1", 1, num_workers=2)).send_buckets([bucket])
     assert len(group.sent) == 2 * 4  # per worker: header, meta, payload; then END's header
@@ -310,7 +289,6 @@ def test_ipc_goes_through_vllms_trainer_factory_packed_one_round_after_the_first
     pytest.importorskip("vllm")
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
-    from megatron_grpo.rollout.engines.vllm_server import VLLMServerEngine
 
     made = []
 
