@@ -289,7 +289,6 @@ def test_ipc_goes_through_vllms_trainer_factory_packed_one_round_after_the_first
     pytest.importorskip("vllm")
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
-
     made = []
 
     class FakeTrainerEngine:
