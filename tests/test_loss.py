@@ -109,6 +109,36 @@ def test_ratio_values():
     assert torch.equal(one_ratio(lp, old, shadow), torch.ones_like(lp))
 
 
+def test_gap_scaled_ratio_scales_only_beta_in_the_value():
+    """k = 1 is ``train``, k = 0 is ``shadow``, k = 3 puts alpha + 3 beta in the value; the gradient is d lp
+    whatever k; per-token k follows the generator's log-prob buckets; the config refuses misuse by key."""
+    from megatron_grpo.loss.ratios import gap_scale_of, gap_scaled_ratio, shadow_ratio, train_ratio
+
+    lp, old, shadow, adv, mask, _ = _batch()
+    torch.testing.assert_close(gap_scaled_ratio(lp, old, shadow, 1.0), train_ratio(lp, old, shadow))
+    torch.testing.assert_close(gap_scaled_ratio(lp, old, shadow, 0.0), shadow_ratio(lp, old, shadow))
+    torch.testing.assert_close(gap_scaled_ratio(lp, old, shadow, 3.0), torch.exp(shadow - old + 3 * (lp - shadow)))
+    k = gap_scale_of(torch.tensor([-30.0, -20.0, -12.0, -1.0]), 2.0, [[-20.0, 8.0], [-5.0, 4.0]])
+    assert k.tolist() == [8.0, 8.0, 4.0, 2.0]
+    lp1 = lp.clone().requires_grad_(True)
+    lp2 = lp.clone().requires_grad_(True)
+    cfg = dict(clip="none", aggregation="token_mean")
+    policy_loss(lp1, old, adv, mask, LossConfig(ratio="gap_scaled", gap_scale=5.0, **cfg), shadow_log_probs=shadow)[0].backward()
+    value = gap_scaled_ratio(lp, old, shadow, 5.0)
+    (-(value * torch.exp(lp2 - lp2.detach()) * adv[:, None])[mask].mean()).backward()
+    torch.testing.assert_close(lp1.grad, lp2.grad)
+    _, m = policy_loss(lp, old, adv, mask, LossConfig(ratio="gap_scaled", gap_scale=5.0, **cfg), shadow_log_probs=shadow)
+    m = finalize(*m.reduce(None)) if not isinstance(m, dict) else m
+    torch.testing.assert_close(m["precision/gap_in_ratio_abs_mean"].double(),
+                               5 * m["precision/beta_abs_mean"].double(), rtol=1e-5, atol=1e-7)
+    for bad, match in ((dict(ratio="train", gap_scale=2.0), "act only with loss_fn.ratio=gap_scaled"),
+                       (dict(ratio="gap_scaled", correction="tis"), "set loss_fn.correction=null"),
+                       (dict(ratio="gap_scaled", gap_scale_by_logprob=[[-5.0, 1.0], [-20.0, 2.0]]), "ascending"),
+                       (dict(ratio="gap_scaled", gap_scale=-1.0), "loss_fn.gap_scale")):
+        with pytest.raises(ValueError, match=match):
+            LossConfig(**bad)
+
+
 @pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"])
 def test_aggregations(aggregation):
     lp, old, shadow, adv, mask, _ = _batch()
@@ -350,7 +380,7 @@ def test_bad_inputs_name_the_argument(bad, match):
 
 
 def test_config_validation_names_the_key():
-    with pytest.raises(ValueError, match=r"loss_fn.ratio.*valid choices: one, shadow, train"):
+    with pytest.raises(ValueError, match=r"loss_fn.ratio.*valid choices: gap_scaled, one, shadow, train"):
         LossConfig(ratio="bogus")
     with pytest.raises(ValueError, match="loss_fn.clip"):
         LossConfig(clip="bogus")

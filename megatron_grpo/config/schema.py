@@ -367,6 +367,9 @@ class Config:
             raise ValueError("policy.dynamic_batching.enabled=true needs policy.megatron_cfg.pipeline_model_parallel_size"
                              f"=1 (got {m.pipeline_model_parallel_size}): its micro-batches differ in shape; with "
                              "pipeline parallelism use policy.sequence_packing.enabled=true (rows of one length)")
+        if self.loss_fn.ratio == "gap_scaled" and not p.needs_shadow:
+            raise ValueError("loss_fn.ratio=gap_scaled scales the gap between the trainer and its shadow forward, but "
+                             f"policy.precision.shadow_dtype == compute_dtype ({p.compute_dtype}): there is no gap")
         if self.loss_fn.ratio == "shadow" and not p.needs_shadow:
             logger.info("loss_fn.ratio=shadow with shadow_dtype == compute_dtype: the shadow ratio equals the trainer's")
 

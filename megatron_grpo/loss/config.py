@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import List, Optional
 
 from megatron_grpo.loss import aggregation, clips, corrections, ratios
 
@@ -15,8 +15,19 @@ class LossConfig:
     ratio: str = "train"
     """Where the importance ratio's value comes from: ``train`` (trainer log-probs vs
     rollout, what PPO normally sees), ``shadow`` (low-precision shadow forward vs rollout:
-    the precision gap beta removed, gradient still through the trainer's log-probs) or
-    ``one`` (REINFORCE: value 1). Any name registered in ``megatron_grpo.loss.ratios``."""
+    the precision gap beta removed, gradient still through the trainer's log-probs),
+    ``one`` (REINFORCE: value 1) or ``gap_scaled`` (research knob: alpha + gap_scale * beta).
+    Any name registered in ``megatron_grpo.loss.ratios``."""
+
+    gap_scale: float = 1.0
+    """Research knob, not a fix (``ratio: gap_scaled`` only): k in the ratio's log value alpha + k * beta
+    (alpha = shadow - generator, beta = trainer - shadow); the gradient is unchanged. k = 1 is ``train``,
+    k = 0 is ``shadow``: a small model, whose gap is small, run at a larger model's gap (issue 34 item 5)."""
+
+    gap_scale_by_logprob: Optional[List[List[float]]] = None
+    """Rarity-shaped k_t (``ratio: gap_scaled``): ``[[lp_max, k], ...]`` with ascending lp_max; a token whose
+    generator log-prob is <= lp_max takes the first such k, tokens above every lp_max take ``gap_scale``.
+    null = ``gap_scale`` for every token."""
 
     clip: str = "ppo"
     """Policy-loss family: ``ppo`` (-min(rA, clip(r)A); dual clip with ``ratio_clip_c``), ``none``
@@ -102,6 +113,7 @@ class LossConfig:
         if self.aggregation not in aggregation.AGGREGATIONS:
             _bad("aggregation", self.aggregation, aggregation.AGGREGATIONS.names())
         self._check_correction()
+        self._check_gap_scale()
         for key in ("ratio_clip_min", "ratio_clip_max", "tis_cap", "reference_policy_kl_penalty"):
             if getattr(self, key) < 0:
                 raise ValueError(f"loss_fn.{key} must be >= 0, got {getattr(self, key)}")
@@ -117,6 +129,23 @@ class LossConfig:
         if not 0 <= self.seq_mask_low <= self.seq_mask_high:
             raise ValueError(f"loss_fn.seq_mask_low/seq_mask_high must satisfy 0 <= low <= high, got {self.seq_mask_low}, {self.seq_mask_high}")
 
+
+    def _check_gap_scale(self) -> None:
+        if self.ratio != "gap_scaled":
+            if self.gap_scale != 1.0 or self.gap_scale_by_logprob is not None:
+                raise ValueError(f"loss_fn.gap_scale / loss_fn.gap_scale_by_logprob act only with "
+                                 f"loss_fn.ratio=gap_scaled (got loss_fn.ratio={self.ratio})")
+            return
+        if self.correction is not None:
+            raise ValueError("loss_fn.ratio=gap_scaled is a research knob on the PPO ratio against the generator: "
+                             f"set loss_fn.correction=null (got {self.correction})")
+        pairs = self.gap_scale_by_logprob or []
+        if any(len(p) != 2 for p in pairs) or [p[0] for p in pairs] != sorted(p[0] for p in pairs):
+            raise ValueError("loss_fn.gap_scale_by_logprob must be [[lp_max, k], ...] with ascending lp_max, "
+                             f"got {self.gap_scale_by_logprob}")
+        if self.gap_scale < 0 or any(p[1] < 0 for p in pairs):
+            raise ValueError(f"loss_fn.gap_scale and the k of loss_fn.gap_scale_by_logprob must be >= 0, "
+                             f"got {self.gap_scale}, {self.gap_scale_by_logprob}")
 
     def _check_correction(self) -> None:
         if self.correction_mode not in ("decoupled", "bypass"):

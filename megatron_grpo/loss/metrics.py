@@ -55,6 +55,12 @@ def precision_stats(stats: StatSet, log_probs, shadow, old, adv, mask) -> None:
         stats.add_sum(f"n_{name}", sel.sum())
 
 
+def gap_in_ratio_stats(stats: StatSet, ratio_value, shadow, old, mask) -> None:
+    """The gap the ratio's value carries beyond alpha (``ratio: gap_scaled``: k * beta), as |log r - alpha|."""
+    in_ratio = (torch.log(ratio_value.double().clamp(min=1e-300)) - (shadow - old).double()).abs()
+    stats.add_sum("gap_in_ratio_abs", masked_sum(in_ratio, mask))
+
+
 def _gates(family, ratio_value, adv, mask, cfg):
     """(outside the region, gradient zeroed, weight truncated) per token, at the family's level."""
     value = family.gate_value(ratio_value, mask)
@@ -214,6 +220,11 @@ def _precision_metrics(sums, maxes, n) -> Dict[str, torch.Tensor]:
     }
     for name in ("common", "medium", "rare"):
         out[f"precision/beta_abs_mean_{name}"] = _safe_div(sums[f"beta_abs_{name}"], sums[f"n_{name}"])
+    if "gap_in_ratio_abs" in sums:  # ratio: gap_scaled (the research knob): the gap the clip sees, k * beta
+        gap = _safe_div(sums["gap_in_ratio_abs"], n)
+        out["precision/gap_in_ratio_abs_mean"] = gap
+        out["precision/snr_in_ratio"] = torch.where(gap > 0, alpha_abs_mean / gap.clamp(min=1e-300),
+                                                    torch.full_like(gap, float("nan")))
     return out
 
 

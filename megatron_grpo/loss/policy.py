@@ -117,7 +117,11 @@ def importance_ratio(log_probs, old_log_probs, shadow_log_probs, config: LossCon
     use_shadow = config.ratio == "shadow" and shadow_log_probs is not None
     proximal = (shadow_log_probs if use_shadow else log_probs).detach()
     base = proximal if decoupled(config) else old_log_probs
-    return ratios.get_ratio_source(config.ratio)(log_probs, base, shadow_log_probs), proximal
+    source = ratios.get_ratio_source(config.ratio)
+    if getattr(source, "takes_gap_scale", False):
+        scale = ratios.gap_scale_of(old_log_probs, config.gap_scale, config.gap_scale_by_logprob)
+        return source(log_probs, base, shadow_log_probs, scale), proximal
+    return source(log_probs, base, shadow_log_probs), proximal
 
 
 def correction_weights(proximal, old_log_probs, mask, config: LossConfig):
@@ -155,6 +159,8 @@ def _add_diagnostics(stats, clip, ratio_value, clean, log_probs, old, shadow, ad
     stats.add_sum("kl_rollout", masked_sum(metrics.kl_rollout_k3(current, old), mask))
     if shadow is not None:
         metrics.precision_stats(stats, log_probs, shadow, old, adv, mask)
+        if config.ratio == "gap_scaled":
+            metrics.gap_in_ratio_stats(stats, ratio_value, shadow, old, mask)
     metrics.clip_stats(stats, clip, ratio_value, clean, adv, mask, config)
 
 

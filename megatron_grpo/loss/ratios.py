@@ -8,7 +8,7 @@ it which tokens the clip decides to zero.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence, Union
 
 import torch
 
@@ -54,6 +54,37 @@ def shadow_ratio(log_probs: torch.Tensor, old_log_probs: torch.Tensor, shadow_lo
 def one_ratio(log_probs: torch.Tensor, old_log_probs: torch.Tensor, shadow_log_probs: Optional[torch.Tensor]) -> torch.Tensor:
     """r = 1 in value (REINFORCE), gradient d log_probs."""
     return _grad_carrier(log_probs)
+
+
+@RATIO_SOURCES.register("gap_scaled")
+def gap_scaled_ratio(log_probs: torch.Tensor, old_log_probs: torch.Tensor, shadow_log_probs: Optional[torch.Tensor],
+                     gap_scale: Union[float, torch.Tensor] = 1.0) -> torch.Tensor:
+    """Research knob (not a fix): r = exp(alpha + k * beta) in value, alpha = shadow - old (the policy change
+    at the generator's precision), beta = log_probs - shadow (the precision gap), k = ``gap_scale`` (a number
+    or one per token); gradient d log_probs as every source. k = 1 is ``train``, k = 0 is ``shadow``: a small
+    model, whose gap is small, is studied at a larger model's gap without changing what it learns from."""
+    if shadow_log_probs is None:
+        raise ValueError("loss_fn.ratio='gap_scaled' needs shadow_log_probs (the low-precision shadow forward)")
+    shadow = shadow_log_probs.detach()
+    value = torch.exp(clamp_log_ratio(shadow - old_log_probs + gap_scale * (log_probs.detach() - shadow)))
+    return value * _grad_carrier(log_probs)
+
+
+gap_scaled_ratio.takes_gap_scale = True
+"""The loss passes ``loss_fn.gap_scale`` (per token with ``gap_scale_by_logprob``) as a fourth argument."""
+
+
+def gap_scale_of(generator_log_probs: torch.Tensor, scale: float,
+                 by_logprob: Optional[Sequence[Sequence[float]]]) -> Union[float, torch.Tensor]:
+    """``gap_scaled``'s k: ``scale`` for every token, or per token from ``by_logprob`` = ``[[lp_max, k], ...]``
+    (ascending lp_max): a token whose generator log-prob is <= lp_max takes the first such k, a token above
+    every lp_max takes ``scale`` (the rarity-shaped k_t of issue 34 item 5)."""
+    if not by_logprob:
+        return scale
+    k = torch.full_like(generator_log_probs, float(scale))
+    for lp_max, value in reversed(list(by_logprob)):
+        k = torch.where(generator_log_probs <= lp_max, torch.full_like(k, float(value)), k)
+    return k
 
 
 def get_ratio_source(name: str):
