@@ -40,6 +40,7 @@ def test_arms_are_valid_configs_and_the_preregistration_states_the_constants():
         assert f"{name} = {value:g}" in prereg or f"{name} = {value}" in prereg, name
     assert "SEEDS = 0, 1, 2" in prereg and "G (k = 0), B (k), F (ratio one: REINFORCE), B2 (2k), noclip (k, eps 10), Brare (k_t)" in prereg
     assert dose.SEEDS == (0, 1, 2) and dose.ARMS == ("G", "B", "F", "B2", "noclip", "Brare")
+    assert dose.BLOCKS == (("G", "B", "F"), ("B2", "noclip", "Brare")) and "first G, B, F for seeds 0, 1, 2" in prereg
     assert dose.SMOLLM2_PAIR in prereg
 
 

@@ -8,8 +8,8 @@ ones the pre-registration states, checked by tests/test_dose_study.py):
    on our model's token distribution) and the rarity-shaped k_t of B-rare (:func:`rare_scales`, SmolLM2's
    measured profile from ``--profile``, ``tools/beta_real.py``'s CSV);
 2. ``gates``: B, B2 and B-rare for :data:`PROBE_STEPS` steps, seed 0, checked by :func:`gates`;
-3. ``main``: every arm of :data:`ARMS`, :data:`SEEDS` x :data:`STEPS` steps, seed-major (a partial grid has
-   complete seeds), whatever the gates said (an arm whose gate failed is flagged on the page);
+3. ``main``: every arm of :data:`ARMS`, :data:`SEEDS` x :data:`STEPS` steps, in :data:`BLOCKS` (the primary
+   arms first, seed-major within a block), whatever the gates said (an arm whose gate failed is flagged on the page);
 4. writes ``OUT/dose.md`` after every run (``--page DOC`` rewrites it anywhere, ``--export DIR`` copies every
    run's raw metrics.jsonl), verdicts by :func:`verdicts`.
 
@@ -68,7 +68,9 @@ _BASE = ["generation.backend=megatron", "generation.max_staleness=1", f"policy.m
          "policy.precision.compute_dtype=float32", "policy.precision.generation_dtype=bfloat16",
          f"loss_fn.ratio_clip_min={EPS:g}", f"loss_fn.ratio_clip_max={EPS:g}"]
 ARMS = ("G", "B", "F", "B2", "noclip", "Brare")
-"""Seed-major order of the main stage: the arms the primary hypotheses need come first."""
+BLOCKS = (("G", "B", "F"), ("B2", "noclip", "Brare"))
+"""Run order of the main stage: the arms of H1, H2 and H3a first, seed-major within each block, so that a
+budget cut leaves complete seeds of the primary comparison."""
 
 
 def arm_overrides(arm: str, k: float, rare: Optional[List[List[float]]] = None, k_common: float = 1.0) -> List[str]:
@@ -308,10 +310,11 @@ def run_stages(args) -> int:
     write_page(out)
     if args.stage == "probe":
         return 0 if ok else 1
-    for seed in SEEDS:
-        for arm in ARMS:
-            ok &= run("main", arm, seed, STEPS, over[arm])
-            write_page(out)
+    for block in BLOCKS:
+        for seed in SEEDS:
+            for arm in block:
+                ok &= run("main", arm, seed, STEPS, over[arm])
+                write_page(out)
     print(f"[dose] wrote {write_page(out)}")
     return 0 if ok else 1
 
