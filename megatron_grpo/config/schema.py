@@ -125,7 +125,8 @@ class MegatronConfig:
     moe_router_dtype: str = "fp32"
     """MoE router-gate precision in the trainer's forward: fp32 or fp64 (autocast does not lower it)."""
     moe_aux_loss_coeff: float = 0.0
-    """MoE load-balancing aux loss coefficient (0 = off)."""
+    """MoE load-balancing aux loss coefficient (0 = off; not with ``policy.sequence_packing`` or
+    ``policy.dynamic_batching``: it depends on which sequences share a micro-batch)."""
     moe_z_loss_coeff: float = 0.0
     """MoE router z-loss coefficient (0 = off)."""
     moe_routing_replay: str = "none"
@@ -174,6 +175,14 @@ class PolicyConfig:
     def __post_init__(self):
         if self.train_micro_batch_size < 1:
             raise ValueError(f"policy.train_micro_batch_size must be >= 1, got {self.train_micro_batch_size}")
+        batching = [f"policy.{k}.enabled=true" for k, c in (("sequence_packing", self.sequence_packing),
+                                                          ("dynamic_batching", self.dynamic_batching)) if c.enabled]
+        if self.megatron_cfg.moe_aux_loss_coeff > 0 and batching:
+            raise ValueError(f"policy.megatron_cfg.moe_aux_loss_coeff={self.megatron_cfg.moe_aux_loss_coeff} cannot be "
+                             f"combined with {' and '.join(batching)}: the load-balancing loss is a product of sums "
+                             "over each micro-batch's tokens, so it depends on which sequences share a micro-batch "
+                             "and packed / token-budget plans cannot equal the padded one (set it to 0; the z-loss, "
+                             "policy.megatron_cfg.moe_z_loss_coeff, is a per-token sum and is supported)")
 
 
 @dataclass

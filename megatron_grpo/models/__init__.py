@@ -47,19 +47,25 @@ def build_from_hf(model_dir: str, *, params_dtype: torch.dtype = torch.float32, 
 
 
 def forward_logits(model, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
-                   attention_mask: Optional[torch.Tensor] = None, packed_seq_params=None) -> torch.Tensor:
+                   attention_mask: Optional[torch.Tensor] = None, packed_seq_params=None,
+                   padding_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Causal forward of ``[B, S]`` ids (right-padded); returns this rank's logits ``[B, S, V/tp]``
     (the output layer all-gathers the sequence under sequence parallelism). With SP, Megatron needs
     S to be a multiple of TP: the ids are padded (repeating the last id; under the causal mask later
     positions cannot change earlier ones) and the logits cut back to S. Packed rows
     (``models/packing.py``) come with their ``position_ids`` and a block-diagonal ``attention_mask``
-    ``[B, 1, S, S]`` (True = masked) or THD ``packed_seq_params``, already a multiple of TP long."""
+    ``[B, 1, S, S]`` (True = masked) or THD ``packed_seq_params``, already a multiple of TP long.
+    ``padding_mask`` ``[B, S]`` (True = padding; MoE models only): the tokens the routers' z-loss and
+    aux loss leave out."""
     gpt = unwrap(model)
     seq_len = input_ids.shape[1]
-    if position_ids is not None:
-        assert seq_len % sequence_multiple(gpt.config) == 0, "packed rows are padded to a multiple of TP"
-        return model(input_ids, position_ids, attention_mask, packed_seq_params=packed_seq_params)
     extra = -seq_len % sequence_multiple(gpt.config)
+    kwargs = {"packed_seq_params": packed_seq_params} if packed_seq_params is not None else {}
+    if padding_mask is not None and getattr(gpt.config, "num_moe_experts", None):
+        kwargs["padding_mask"] = _stage_padding_mask(gpt, padding_mask, extra)
+    if position_ids is not None:
+        assert not extra, "packed rows are padded to a multiple of TP"
+        return model(input_ids, position_ids, attention_mask, **kwargs)
     if extra and gpt.config.pipeline_model_parallel_size > 1:
         raise ValueError(f"forward_logits: sequence length {seq_len} is not a multiple of "
                          f"policy.megatron_cfg.tensor_model_parallel_size={gpt.config.tensor_model_parallel_size} "
@@ -68,8 +74,23 @@ def forward_logits(model, input_ids: torch.Tensor, position_ids: Optional[torch.
     if extra:
         input_ids = torch.cat([input_ids, input_ids[:, -1:].expand(-1, extra)], dim=1)
     positions = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0).expand_as(input_ids)
-    logits = model(input_ids, positions, None)
+    logits = model(input_ids, positions, None, **kwargs)
     return logits[:, :seq_len] if extra else logits
+
+
+def _stage_padding_mask(gpt, padding_mask: torch.Tensor, extra: int) -> torch.Tensor:
+    """``padding_mask`` as this stage's ``GPTModel`` needs it: the ``extra`` positions ``forward_logits``
+    appends are padding; under sequence parallelism the first stage scatters it over TP itself
+    (``GPTModel._preprocess``, 0.16.1 and 0.19) but later pipeline stages pass it on whole, so there it
+    is this TP rank's shard of the sequence already."""
+    from megatron.core import parallel_state as ps
+
+    if extra:
+        padding_mask = torch.cat([padding_mask, padding_mask.new_ones((padding_mask.shape[0], extra))], dim=1)
+    if gpt.config.sequence_parallel and not gpt.pre_process:
+        tp, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+        padding_mask = padding_mask.chunk(tp, dim=1)[rank]
+    return padding_mask
 
 
 __all__ = ["ModelShape", "build_from_hf", "build_gpt_model", "forward_logits", "load_hf_config",

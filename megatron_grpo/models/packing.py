@@ -20,12 +20,19 @@ path's.
 
 A sequence needs only its tokens up to its last completion label (``last`` + 1 tokens: the logits at
 position t score ``labels[t]``), so padding and the final token are never computed.
+
+MoE: every micro-batch carries Megatron's ``padding_mask`` (True = not one of a sequence's needed
+tokens: right padding, a sequence's final token, a packed row's tail, filler rows), so that the routers'
+z-loss counts the same tokens in every plan (the step passes it on unless the aux loss is on); MoE routes recorded per micro-batch come back in
+the padded layout (``unpack``) and replayed routes go the other way (``to_rows``). Under expert
+parallelism the allgather dispatcher needs every rank's micro-batch ``k`` to have one shape:
+``build_plan``'s ``shapes`` (agreed over DP by the step) pads rows and widths up to them.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 from megatron.core.packed_seq_params import PackedSeqParams
@@ -53,22 +60,36 @@ class MicroBatch:
     """[r, 1, L, L] bool, True = masked (packed, local spec)"""
     packed_seq_params: Optional[object] = None
     """Megatron's ``PackedSeqParams`` (packed, Transformer Engine: THD)"""
+    padding_mask: Optional[torch.Tensor] = None
+    """[r, L] bool, Megatron's MoE convention: True = padding, i.e. not a needed token of any sequence"""
 
     @property
     def num_computed_tokens(self) -> int:
         return self.input_ids.numel()
 
-    def unpack(self, row_values: torch.Tensor) -> torch.Tensor:
-        """``[r, L]`` per-token values -> ``[n, S]`` rows of the padded layout (0 where not computed)."""
+    def unpack(self, row_values: torch.Tensor, fill: int = 0) -> torch.Tensor:
+        """``[r, L, ...]`` per-token values -> ``[n, S, ...]`` rows of the padded layout (``fill`` where
+        not computed)."""
         if self.gather is None:
             return row_values
-        flat = row_values.reshape(-1)[self.gather]
-        return torch.where(self.valid, flat, torch.zeros_like(flat))
+        flat = row_values.reshape(-1, *row_values.shape[2:])[self.gather]
+        valid = self.valid.view(*self.valid.shape, *[1] * (flat.dim() - 2))
+        return torch.where(valid, flat, torch.full_like(flat, fill))
+
+    def to_rows(self, values: torch.Tensor, fill: int = -1) -> torch.Tensor:
+        """``[n, S, ...]`` values of this micro-batch's sequences in the padded layout -> ``[r, L, ...]``
+        at the tokens the model computes (``fill`` elsewhere): ``unpack``'s inverse."""
+        if self.gather is None:
+            return values
+        rows, width = self.input_ids.shape
+        out = values.new_full((rows * width, *values.shape[2:]), fill)
+        out[self.gather[self.valid]] = values[self.valid]
+        return out.view(rows, width, *values.shape[2:])
 
     def model_inputs(self) -> dict:
         """Keyword arguments for ``forward_logits`` besides the ids."""
         return {"position_ids": self.position_ids, "attention_mask": self.attention_mask,
-                "packed_seq_params": self.packed_seq_params}
+                "packed_seq_params": self.packed_seq_params, "padding_mask": self.padding_mask}
 
 
 @dataclass(frozen=True)
@@ -156,53 +177,73 @@ def plan_groups(mask: torch.Tensor, spec: PlanSpec) -> List[List[int]]:
 
 
 def build_plan(input_ids: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor, spec: PlanSpec,
-               groups: Optional[List[List[int]]] = None) -> List[MicroBatch]:
-    """The micro-batches of a padded batch ``[b, S]`` (``groups``: from ``plan_groups``, maybe split)."""
+               groups: Optional[List[List[int]]] = None,
+               shapes: Optional[Sequence[Tuple[int, int]]] = None) -> List[MicroBatch]:
+    """The micro-batches of a padded batch ``[b, S]`` (``groups``: from ``plan_groups``, maybe split;
+    ``shapes``: per micro-batch ``(rows, width)`` at least ``plan_shapes``', to pad up to; token-budget
+    and packed plans only)."""
     groups = plan_groups(mask, spec) if groups is None else groups
-    if spec.max_tokens is None and not spec.packing:
-        return [_padded(k, g, input_ids, labels, spec) for k, g in enumerate(groups)]
     lengths = needed_lengths(mask)
+    if spec.max_tokens is None and not spec.packing:
+        return [_padded(k, g, lengths, input_ids, labels, spec) for k, g in enumerate(groups)]
+    shapes = shapes or plan_shapes(groups, lengths, spec, input_ids.shape[1])
     if spec.packing:
-        width = _round_up(max(lengths), spec.multiple)
-        width = max(width, _round_up(spec.max_tokens or 0, spec.multiple)) if spec.fixed_width else None
-        return [_packed(k, g, lengths, input_ids, labels, spec, width) for k, g in enumerate(groups)]
-    return [_budget(k, g, lengths, input_ids, labels, spec) for k, g in enumerate(groups)]
+        return [_packed(k, g, lengths, input_ids, labels, spec, shapes[k][1]) for k, g in enumerate(groups)]
+    return [_budget(k, g, lengths, input_ids, labels, shapes[k]) for k, g in enumerate(groups)]
 
 
-def _padded(k, group, input_ids, labels, spec: PlanSpec) -> MicroBatch:
+def plan_shapes(groups: List[List[int]], lengths: Sequence[int], spec: PlanSpec, full_width: int) -> List[Tuple[int, int]]:
+    """``(rows, width)`` of each micro-batch of a token-budget or packed plan."""
+    if spec.packing:
+        fixed = _round_up(max(max(lengths), spec.max_tokens or 0), spec.multiple) if spec.fixed_width else 0
+        return [(1, fixed or _round_up(sum(lengths[i] for i in g), spec.multiple)) for g in groups]
+    return [(len(g), min(_round_up(max(lengths[i] for i in g), spec.multiple), full_width)) for g in groups]
+
+
+def _padded(k, group, lengths, input_ids, labels, spec: PlanSpec) -> MicroBatch:
     seqs = torch.tensor(group, dtype=torch.long, device=input_ids.device)
     ids, lab = input_ids[seqs], labels[seqs]
     extra = spec.micro_batch_size - len(group) if spec.fixed_width else 0
     if extra > 0:  # pipeline parallelism: whole micro-batches (the P2P buffers have one shape)
         ids, lab = torch.cat([ids, ids[:1].expand(extra, -1)]), torch.cat([lab, lab[:1].expand(extra, -1)])
-        return _scattered(k, seqs, ids, lab, [(r, 0, input_ids.shape[1]) for r in range(len(group))], input_ids.shape[1])
-    return MicroBatch(k, seqs, ids, lab)
+        return _scattered(k, seqs, ids, lab, [(r, 0, input_ids.shape[1]) for r in range(len(group))],
+                          input_ids.shape[1], [lengths[i] for i in group])
+    pos = torch.arange(ids.shape[1], device=ids.device)
+    padding = pos[None, :] >= torch.tensor([lengths[i] for i in group], device=ids.device)[:, None]
+    return MicroBatch(k, seqs, ids, lab, padding_mask=padding)
 
 
-def _budget(k, group, lengths, input_ids, labels, spec: PlanSpec) -> MicroBatch:
+def _budget(k, group, lengths, input_ids, labels, shape: Tuple[int, int]) -> MicroBatch:
+    """The group's rows cut to ``shape``'s width; filler rows of token 0 up to its row count."""
     seqs = torch.tensor(group, dtype=torch.long, device=input_ids.device)
-    width = min(_round_up(max(lengths[i] for i in group), spec.multiple), input_ids.shape[1])
-    return _scattered(k, seqs, input_ids[seqs, :width], labels[seqs, :width],
-                      [(r, 0, lengths[i]) for r, i in enumerate(group)], input_ids.shape[1])
+    rows, width = shape
+    ids = input_ids.new_zeros((rows, width))
+    lab = torch.zeros_like(ids)
+    cut = min(width, input_ids.shape[1])
+    ids[:len(group), :cut], lab[:len(group), :cut] = input_ids[seqs, :cut], labels[seqs, :cut]
+    return _scattered(k, seqs, ids, lab, [(r, 0, lengths[i]) for r, i in enumerate(group)], input_ids.shape[1])
 
 
-def _scattered(k, seqs, ids, lab, places, full_width) -> MicroBatch:
-    """``places``: per sequence ``(row, offset, length)`` in ``ids``."""
+def _scattered(k, seqs, ids, lab, places, full_width, needed: Optional[Sequence[int]] = None) -> MicroBatch:
+    """``places``: per sequence ``(row, offset, length)`` in ``ids``; ``needed``: per sequence the tokens
+    that are not padding, when fewer than ``length`` (default ``length``)."""
     width = ids.shape[1]
     pos = torch.arange(full_width, device=ids.device)
     gather = torch.zeros((len(places), full_width), dtype=torch.long, device=ids.device)
     valid = torch.zeros((len(places), full_width), dtype=torch.bool, device=ids.device)
+    padding = torch.ones(ids.shape, dtype=torch.bool, device=ids.device)
     for j, (row, offset, length) in enumerate(places):
         gather[j, :length] = row * width + offset + pos[:length]
         valid[j, :length] = True
-    return MicroBatch(k, seqs, ids, lab, gather, valid)
+        n = length if needed is None else needed[j]
+        padding[row, offset:offset + n] = False
+    return MicroBatch(k, seqs, ids, lab, gather, valid, padding_mask=padding)
 
 
-def _packed(k, group, lengths, input_ids, labels, spec: PlanSpec, width: Optional[int]) -> MicroBatch:
+def _packed(k, group, lengths, input_ids, labels, spec: PlanSpec, width: int) -> MicroBatch:
     """One row holding ``group``'s sequences back to back; the row's end padded to ``width``."""
     seqs = torch.tensor(group, dtype=torch.long, device=input_ids.device)
     used = sum(lengths[i] for i in group)
-    width = width or _round_up(used, spec.multiple)
     ids = torch.zeros((1, width), dtype=torch.long, device=input_ids.device)
     lab = torch.zeros_like(ids)
     positions = torch.zeros_like(ids)

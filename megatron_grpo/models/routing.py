@@ -11,7 +11,11 @@ R3: the routing vLLM returned). A target row of -1 keeps the natural choice.
 uses ``moe_router_dtype`` (fp32/fp64, autocast off), the shadow forward the generator's
 router precision (vLLM's Qwen3-MoE gate is a plain linear layer in the model dtype).
 
-Routes are int16 tensors ``[B, S, L, k]`` (batch, position, this stage's MoE layers, top-k).
+Routes are int16 tensors ``[B, S, L, k]`` (batch, position, this stage's MoE layers, top-k), in the
+padded layout whatever the micro-batch plan (``models/packing.py``): given the plan, ``Routing.forward``
+lays replayed routes out per micro-batch as the model computes them (packed rows, token-budget rows;
+positions no sequence needs get -1: natural) and ``take`` scatters the records back (-1 at positions
+the plan does not compute).
 
 Sequence parallelism: each TP rank's routers see only its shard of the sequence (positions
 ``[r S/tp, (r+1) S/tp)`` of every row, S padded to a multiple of TP as ``forward_logits`` pads
@@ -25,7 +29,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections import deque
-from typing import List, Optional, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
@@ -96,20 +100,26 @@ class Routing:
         self.train_dtype, self.shadow_dtype = train_dtype, shadow_dtype
         self.router_dtype = train_dtype
         self.taps = [RouteTap() for _ in self.routers]
+        self.plan: Optional[Sequence] = None
+        """The micro-batches (``MicroBatch``) of the forwards being recorded (None: whole padded rows)."""
         for router, tap in zip(self.routers, self.taps):
             set_router_replay(router, tap)
             router.gating = functools.partial(_gating, router, self)
 
     @contextlib.contextmanager
-    def forward(self, shadow: bool = False, targets: Optional[torch.Tensor] = None, micro_batch_size: int = 0):
+    def forward(self, shadow: bool = False, targets: Optional[torch.Tensor] = None, plan: Optional[Sequence] = None):
         """Records the routing of the enclosed forwards (read it with ``take``), in the shadow's
-        or the trainer's router precision; with ``targets`` ``[B, S, L, k]`` (-1 rows: natural),
-        replays them over forwards of consecutive ``micro_batch_size``-row micro-batches."""
+        or the trainer's router precision; ``plan``: the micro-batches those forwards run, in order
+        (None: whole padded rows); with ``targets`` ``[B, S, L, k]`` (-1 rows: natural), replays them
+        over the plan's micro-batches."""
         for tap in self.taps:
             tap.clear()
             tap.recording, tap.replay = True, targets is not None
+        self.plan = plan
         if targets is not None:
-            self._queue(targets, micro_batch_size)
+            if plan is None:
+                raise ValueError("routing replay: the forwards' micro-batch plan is needed to lay out the targets")
+            self._queue(targets, plan)
         self.router_dtype = self.shadow_dtype if shadow else self.train_dtype
         try:
             yield self
@@ -128,21 +138,23 @@ class Routing:
             return None, 1, 0
         return ps.get_tensor_model_parallel_group(), tp, ps.get_tensor_model_parallel_rank()
 
-    def _queue(self, targets: torch.Tensor, micro_batch_size: int) -> None:
+    def _queue(self, targets: torch.Tensor, plan: Sequence) -> None:
         if targets.shape[2] != len(self.taps):
             raise ValueError(f"routing replay: {targets.shape[2]} layers of routing for {len(self.taps)} MoE layers")
         _, tp, rank = self._sequence_shards()
-        targets = _pad_positions(targets, -targets.shape[1] % tp)  # padded positions (-1): natural routing
-        for start in range(0, targets.shape[0], micro_batch_size):
+        for mb in plan:
+            rows = mb.to_rows(targets[mb.seqs], fill=-1)  # [r, L, layers, k] as the model computes them
+            rows = _pad_positions(rows, -rows.shape[1] % tp)  # padded positions (-1): natural routing
             for layer, tap in enumerate(self.taps):
-                routes = to_router_order(targets[start : start + micro_batch_size, :, layer])
+                routes = to_router_order(rows[:, :, layer])
                 shard = routes.shape[0] // tp  # router order is position-major: rank r's shard is contiguous
                 tap.targets.append(routes[rank * shard : (rank + 1) * shard])
 
     def take(self, seq_len: int, which: str = "used") -> torch.Tensor:
-        """The routing recorded since ``forward`` began (``used`` or ``natural``), forwards
-        concatenated along the batch: ``[B, S, L, k]``. Collective over TP with sequence parallelism
-        (the shards of every position, gathered once)."""
+        """The routing recorded since ``forward`` began (``used`` or ``natural``) in the padded layout
+        ``[B, S, L, k]`` (its plan's sequences; without a plan the forwards' rows concatenated along
+        the batch). Collective over TP with sequence parallelism (the shards of every position,
+        gathered once)."""
         calls = [torch.stack(layers, dim=1) for layers in zip(*[getattr(tap, which) for tap in self.taps])]
         if not calls:
             raise RuntimeError("routing: nothing recorded (no forward ran inside Routing.forward)")
@@ -150,10 +162,19 @@ class Routing:
         sizes = [c.shape[0] for c in calls]  # routed tokens per forward on this rank: [s/tp * b, L, k]
         shards = comm.all_gather_cat(torch.cat(calls).to(torch.int32), 0, group)
         shards = shards.view(tp, sum(sizes), *calls[0].shape[1:])  # [TP rank, this rank's tokens, L, k]
-        padded = seq_len + (-seq_len % tp)
-        out = [from_router_order(part.reshape(-1, *part.shape[2:]), padded)[:, :seq_len]
-               for part in shards.split(sizes, dim=1)]  # ranks in order: positions in order
-        return torch.cat(out).to(ROUTE_DTYPE)
+        parts = [part.reshape(-1, *part.shape[2:]) for part in shards.split(sizes, dim=1)]  # positions in order
+        if self.plan is None:
+            padded = seq_len + (-seq_len % tp)
+            return torch.cat([from_router_order(p, padded)[:, :seq_len] for p in parts]).to(ROUTE_DTYPE)
+        if len(parts) != len(self.plan):
+            raise RuntimeError(f"routing: {len(parts)} forwards recorded for a plan of {len(self.plan)} micro-batches")
+        out = torch.full((sum(len(mb.seqs) for mb in self.plan), seq_len, *parts[0].shape[1:]), -1,
+                         dtype=ROUTE_DTYPE, device=parts[0].device)
+        for mb, part in zip(self.plan, parts):
+            width = mb.input_ids.shape[1]
+            rows = from_router_order(part, width + (-width % tp))[:, :width].to(ROUTE_DTYPE)
+            out[mb.seqs] = mb.unpack(rows, fill=-1)[:, :seq_len]
+        return out
 
 
 def to_router_order(routes: torch.Tensor) -> torch.Tensor:

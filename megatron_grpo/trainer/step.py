@@ -36,7 +36,15 @@ from megatron_grpo.models.forward import (
     pipeline_dtype,
     precision_context,
 )
-from megatron_grpo.models.packing import MicroBatch, PlanSpec, build_plan, plan_groups, split_to_count
+from megatron_grpo.models.packing import (
+    MicroBatch,
+    PlanSpec,
+    build_plan,
+    needed_lengths,
+    plan_groups,
+    plan_shapes,
+    split_to_count,
+)
 from megatron_grpo.models.routing import Routing, generator_routes, select_layers
 from megatron_grpo.parallel import comm
 from megatron_grpo.parallel import grads as grad_utils
@@ -138,21 +146,30 @@ class TrainStep:
         self._nonfinite_counts: list = []
         """``(what, count)`` per sanitized tensor; counts stay on device until ``run``'s one agreed flag."""
         self.plan_spec = plan_spec(model, cfg)
-        if self.routing is not None and (self.plan_spec.packing or self.plan_spec.max_tokens is not None):
-            raise ValueError("policy.sequence_packing / policy.dynamic_batching: not supported with MoE models yet "
-                             "(routing replay and routing metrics are laid out per padded row)")
         self.plan: Optional[List[MicroBatch]] = None
         """This step's micro-batches (``make_plan``), shared by every forward of the step."""
 
     def make_plan(self, packed: PackedBatch, equalise: bool = True) -> List[MicroBatch]:
         """The micro-batches of ``packed`` (padded, token-budget or packed rows); with ``equalise``
         every DP rank gets the same number (Megatron's training schedule: the largest micro-batches
-        are split; a collective over DP). Forward-only passes outside a step need not agree."""
-        groups = plan_groups(packed.mask, self.plan_spec)
-        if equalise and comm.group_size(self.dp_group) > 1 and (self.plan_spec.packing or self.plan_spec.max_tokens is not None):
-            count = torch.tensor(float(len(groups)), device=comm.collective_device(packed.mask.device, self.dp_group))
-            groups = split_to_count(groups, int(comm.all_reduce_max(count, self.dp_group).item()))
-        return build_plan(packed.input_ids, packed.labels, packed.mask, self.plan_spec, groups)
+        are split; a collective over DP). Forward-only passes outside a step need not agree, except
+        under expert parallelism: there every rank's micro-batch ``k`` also gets one shape (the
+        allgather dispatcher gathers equal token counts over EP), and passes always agree."""
+        spec = self.plan_spec
+        if spec.max_tokens is None and not spec.packing:
+            return build_plan(packed.input_ids, packed.labels, packed.mask, spec)
+        groups = plan_groups(packed.mask, spec)
+        expert_parallel = self.routing is not None and unwrap(self.model).config.expert_model_parallel_size > 1
+        if not (equalise or expert_parallel) or comm.group_size(self.dp_group) == 1:
+            return build_plan(packed.input_ids, packed.labels, packed.mask, spec, groups)
+        device = comm.collective_device(packed.mask.device, self.dp_group)
+        count = torch.tensor(float(len(groups)), device=device)
+        groups = split_to_count(groups, int(comm.all_reduce_max(count, self.dp_group).item()))
+        shapes = None
+        if expert_parallel:
+            local = plan_shapes(groups, needed_lengths(packed.mask), spec, packed.input_ids.shape[1])
+            shapes = comm.all_reduce_max(torch.tensor(local, device=device), self.dp_group).tolist()
+        return build_plan(packed.input_ids, packed.labels, packed.mask, spec, groups, shapes)
 
     def lowp_log_probs(self, packed: PackedBatch, dtype: Optional[torch.dtype] = None,
                        routes: Optional[torch.Tensor] = None, temperature: Optional[float] = None) -> torch.Tensor:
@@ -161,15 +178,16 @@ class TrainStep:
         temperature unless ``temperature`` is given."""
         temperature = self.cfg.generation.temperature if temperature is None else temperature
         plan = self._plan_of(packed)
-        with self._routes(shadow=True, targets=routes):
+        with self._routes(shadow=True, targets=routes, plan=plan):
             return forward_log_probs(self.model, packed, compute_dtype=dtype or self.shadow_dtype,
                                      params_dtype=self.params_dtype, temperature=temperature,
                                      tp_group=self.tp_group, plan=plan)
 
-    def _routes(self, shadow: bool, targets: Optional[torch.Tensor] = None):
+    def _routes(self, shadow: bool, targets: Optional[torch.Tensor] = None, plan=None):
+        """Routing control of forwards over ``plan``'s micro-batches (MoE; nothing for a dense model)."""
         if self.routing is None:
             return contextlib.nullcontext()
-        return self.routing.forward(shadow, targets, self.cfg.policy.train_micro_batch_size)
+        return self.routing.forward(shadow, targets, plan)
 
     def run(self, batch: StepBatch, step: int = 0) -> Tuple[StatSet, Dict[str, torch.Tensor]]:
         """Shadow forward -> forward-backward -> optimizer step -> deployed-improvement probe.
@@ -249,10 +267,11 @@ class TrainStep:
         if not getattr(clips.get_clip_variant(self.cfg.loss_fn.clip), "needs_center", False):
             return None
         if self.cfg.loss_fn.ratio == "train":
-            with self._routes(shadow=False, targets=self.replay_routes):
+            plan = self._plan_of(batch.packed)
+            with self._routes(shadow=False, targets=self.replay_routes, plan=plan):
                 lp = forward_log_probs(self.model, batch.packed, compute_dtype=self.compute_dtype,
                                        params_dtype=self.params_dtype, temperature=self.cfg.generation.temperature,
-                                       tp_group=self.tp_group, plan=self._plan_of(batch.packed))
+                                       tp_group=self.tp_group, plan=plan)
         else:
             lp = shadow if shadow is not None else batch.old_log_probs
         return weight_center(lp, batch.old_log_probs, batch.advantages, batch.packed.mask, self.loss_cfg,
@@ -334,38 +353,52 @@ class TrainStep:
     def _schedule(self, batch: StepBatch, loss_func, replay, record_routes: bool = False) -> None:
         """One forward-backward of ``loss_func(rows, logits)`` over the batch's micro-batches in
         Megatron's schedule; gradients land reduced in DDP's buffers (``finalize_model_grads``)."""
-        rows, seq_len = batch.packed.input_ids.shape
+        seq_len = batch.packed.input_ids.shape[1]
         plan = self._plan_of(batch.packed)
 
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
+            inputs = dict(mb.model_inputs(), padding_mask=mb.padding_mask if mask_padding else None)
             with precision_context(self.compute_dtype, self.params_dtype):
-                logits = forward_logits(model, mb.input_ids, **mb.model_inputs())
+                logits = forward_logits(model, mb.input_ids, **inputs)
             return logits, functools.partial(loss_func, mb)
 
-        self._scale_moe_aux_losses(rows * seq_len * comm.group_size(self.dp_group))
+        mask_padding = self._scale_moe_aux_losses(plan)
         mb_rows, mb_width = plan[0].input_ids.shape
-        with self._routes(shadow=False, targets=replay), pipeline_dtype(self.model, self.compute_dtype, self.params_dtype):
+        with self._routes(shadow=False, targets=replay, plan=plan), pipeline_dtype(self.model, self.compute_dtype, self.params_dtype):
             get_forward_backward_func()(
                 forward_step_func=forward_step, data_iterator=iter(plan), model=self.model,
                 num_microbatches=len(plan), seq_length=mb_width, micro_batch_size=mb_rows, forward_only=False)
             if record_routes and self.routing is not None:
                 self.train_routes = (self.routing.take(seq_len, "used"), self.routing.take(seq_len, "natural"))
 
-    def _scale_moe_aux_losses(self, num_routed_tokens: int) -> None:
-        """MoE aux/z losses as a mean over the step's routed tokens. Under
-        ``calculate_per_token_loss`` Megatron multiplies them by a token count (a TP rank's share of
-        the tokens under SP; on 0.19 times the TP x CP size: ``compat.megatron``) and leaves the
+    def _scale_moe_aux_losses(self, plan: Sequence[MicroBatch]) -> bool:
+        """MoE aux/z losses as a mean over the step's routed tokens, counted over DP (a collective,
+        when a coefficient is on); returns whether the routers get the plan's ``padding_mask``.
+        Without the aux loss they do, and the routed tokens are each sequence's needed tokens, the
+        same in every plan (packed == padded). With it (padded plans only: ``PolicyConfig``) they do
+        not, and every computed token counts: Megatron's masked aux loss weights each sequence-parallel
+        shard by its own valid-token count, which would break TP invariance. Under
+        ``calculate_per_token_loss`` Megatron multiplies the losses by a token count (a TP rank's share
+        of the tokens under SP; on 0.19 times the TP x CP size: ``compat.megatron``) and leaves the
         division by the global count to ``finalize_model_grads``; our losses are already global
         means, so the coefficients carry that division instead."""
         config = unwrap(self.model).config
-        if not getattr(config, "num_moe_experts", None):
-            return
+        m = self.cfg.policy.megatron_cfg
+        mask_padding = not m.moe_aux_loss_coeff
+        if not getattr(config, "num_moe_experts", None) or not (m.moe_aux_loss_coeff or m.moe_z_loss_coeff):
+            return mask_padding
+        if mask_padding:
+            routed = torch.stack([(~mb.padding_mask).sum() for mb in plan]).sum().double()
+        else:
+            routed = torch.tensor(float(sum(mb.padding_mask.numel() for mb in plan)), dtype=torch.float64)
+        routed = routed.to(comm.collective_device(routed.device, self.dp_group))
+        num_routed_tokens = max(float(comm.all_reduce_sum(routed, self.dp_group).item()), 1.0)  # one host sync
         tp_cp_size = ps.get_tensor_model_parallel_world_size() * ps.get_context_parallel_world_size()
         num_routed_tokens = moe_aux_loss_token_multiplier(num_routed_tokens / sequence_multiple(config), tp_cp_size)
-        m = self.cfg.policy.megatron_cfg
         config.moe_aux_loss_coeff = m.moe_aux_loss_coeff / num_routed_tokens
         config.moe_z_loss_coeff = m.moe_z_loss_coeff / num_routed_tokens if m.moe_z_loss_coeff else None
+        return mask_padding
 
     def _sanitize(self, lp: torch.Tensor, fallback: torch.Tensor, mask: torch.Tensor, what: str) -> torch.Tensor:
         """Replaces non-finite log-probs by ``fallback`` and counts those at valid tokens (the step will be
