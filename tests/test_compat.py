@@ -84,6 +84,50 @@ def test_distributed_optimizer_ranges_cover_every_param_once(tiny_dense, megatro
         assert (start, end) == (0, model_param.numel()) and main.numel() == model_param.numel()
 
 
+def _groups_left_after_destroy():
+    """(group globals ``destroy_model_parallel`` leaves set, those the shim leaves set), in a fresh world."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_grpo.parallel.state import Layout, initialize_model_parallel
+
+    def groups_set():
+        return sorted(n for n, v in vars(ps).items() if isinstance(v, torch.distributed.ProcessGroup))
+
+    initialize_model_parallel(Layout(world_size=1))
+    ps.destroy_model_parallel()
+    forgotten = groups_set()
+    initialize_model_parallel(Layout(world_size=1))
+    mc.destroy_model_parallel()
+    return forgotten, groups_set()
+
+
+def test_destroy_model_parallel_leaves_no_group_set():
+    """Megatron's own teardown forgets exactly ``LEFT_SET_BY_DESTROY`` (the shim is still needed where
+    it does); the shim leaves no process group in ``parallel_state``."""
+    from tests._dist import run_distributed
+
+    [(forgotten, left)] = run_distributed(_groups_left_after_destroy, 1)
+    assert set(forgotten) <= set(mc.LEFT_SET_BY_DESTROY) and forgotten, forgotten
+    assert left == []
+
+
+def test_clear_module_caches_lets_a_rotary_embedding_go(megatron_single):
+    import gc
+    import weakref
+
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    rotary = RotaryEmbedding(kv_channels=8, rotary_percent=1.0, use_cpu_initialization=True)
+    rotary(4)
+    gone = weakref.ref(rotary)
+    del rotary
+    gc.collect()
+    assert gone() is not None  # Megatron's forward cache holds it (and its context-parallel group)
+    mc.clear_module_caches()
+    gc.collect()
+    assert gone() is None
+
+
 def test_write_results_queue_comes_from_the_factory(monkeypatch):
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 

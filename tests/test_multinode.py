@@ -11,19 +11,12 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 import warnings
-
-from importlib.metadata import version
 
 import pytest
 
 from tests._netns import Host, veth_hosts
-
-pytestmark = pytest.mark.skipif(
-    tuple(int(x) for x in version("megatron-core").split(".")[:2]) >= (0, 17),
-    reason="known defect on megatron-core 0.19 (lane 2): after the two-node run's checkpoint, rank 1 (node 1) "
-           "aborts at exit ('terminate called without an active exception'); node 0's torchrun then waits out "
-           "its timeout. Open: see the closing note of the session that added lane 2")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPE = os.path.join(ROOT, "recipes", "grpo-tiny-eos-cpu.yaml")
@@ -32,6 +25,11 @@ VOLATILE = ("time/", "timing/")
 """Wall times: the only metrics a layout on other hosts may change."""
 INTERFACE_VARIABLES = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "TP_SOCKET_IFNAME")
 LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+FAIL_FAST_GRACE_S = 60
+"""After a launcher fails, the time the others get to end before they are killed: a node whose peer died
+(e.g. a rank aborting at exit) would otherwise wait out torchrun's exit barrier or the launch timeout."""
+CLEAN_EXIT = "process groups destroyed: no gloo worker thread left"
+"""What each rank logs once its process groups are freed before exit (``parallel/state.py`` ``shutdown``)."""
 
 
 def _common(model_dir):
@@ -56,15 +54,18 @@ def _rows(log_dir):
     return [json.loads(line) for line in open(path)] if os.path.isfile(path) else []
 
 
-def _wait_all(procs, timeout):
-    """Exit codes; on a timeout every launcher's process group is killed (its workers with it)."""
-    try:
-        return [p.wait(timeout=timeout) for p in procs]
-    except subprocess.TimeoutExpired:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-        return [p.wait() for p in procs]
+def _wait_all(procs, timeout, grace=FAIL_FAST_GRACE_S):
+    """Exit codes. Once a launcher has failed the others get ``grace`` more seconds; past that, or past
+    ``timeout``, every launcher still running is killed with its process group (its workers with it)."""
+    deadline = time.monotonic() + timeout
+    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+        if any(p.poll() not in (None, 0) for p in procs):
+            deadline = min(deadline, time.monotonic() + grace)
+        time.sleep(0.2)
+    for p in procs:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+    return [p.wait() for p in procs]
 
 
 def launch(hosts, args, log_dir, nproc_per_node=1, timeout=600):
@@ -104,6 +105,16 @@ def assert_rows_equal(rows, reference, abs_tol=1e-6, rel_tol=1e-6, names=None):
             assert row[name] == pytest.approx(ref[name], abs=abs_tol, rel=rel_tol), (row["step"], name)
 
 
+def test_a_launcher_that_dies_ends_the_wait_for_the_others():
+    """A rank aborting at exit fails its node's launcher at once; the other node's launcher (which
+    would wait out torchrun's exit barrier) is killed after the grace, not after the launch timeout."""
+    waiting = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    dying = subprocess.Popen([sys.executable, "-c", "import os; os.abort()"], start_new_session=True)
+    started = time.monotonic()
+    assert _wait_all([waiting, dying], timeout=600, grace=1) == [-signal.SIGKILL, -signal.SIGABRT]
+    assert time.monotonic() - started < 30
+
+
 @pytest.fixture(scope="module")
 def two_hosts():
     """Node 0 and node 1: two network namespaces (``mgb<pid>n0`` at 10.232.0.1, ``mgb<pid>n1`` at
@@ -135,6 +146,9 @@ def test_two_nodes_train_save_and_resume_equal_one_host(two_hosts, megatron_runs
     assert [r["step"] for r in rows] == list(range(1, STEPS))
     assert resumed_codes == [0, 0], "\n".join(o[-3000:] for o in resumed_outs)
     assert_rows_equal(resumed_rows, reference)  # 1 .. STEPS - 1 from the first launch, STEPS after the resume
+    for launches, node_outs in enumerate((outs, resumed_outs), start=1):  # each launch appends to node<i>.log
+        for out in node_outs:  # every rank freed its process groups before exiting (no abort at exit)
+            assert out.count(CLEAN_EXIT) == launches, out[-3000:]
     if two_hosts[0].prefix:  # each node bound gloo to its end of the veth pair, found on the route
         for i, out in enumerate(outs + resumed_outs):
             assert f"gloo binds to mgb{os.getpid()}v{i % 2} (10.232.0.{i % 2 + 1}" in out, out[-3000:]
@@ -148,6 +162,7 @@ def test_two_nodes_with_the_vllm_generator_on_node_0(two_hosts, tiny_dense, tmp_
     assert codes == [0, 0], "\n".join(o[-3000:] for o in outs)
     assert [r["step"] for r in rows] == [1]
     assert rows[0]["sync/logprob_abs_diff_max"] < 1e-4  # fp32 trainer and fp32 vLLM agree after the push
+    assert all(out.count(CLEAN_EXIT) == 1 for out in outs), "\n".join(o[-3000:] for o in outs)
 
 
 @pytest.mark.slow
@@ -159,5 +174,6 @@ def test_four_ranks_tp2_inside_each_node_dp2_across(two_hosts, tiny_dense, megat
                                   "policy.megatron_cfg.tensor_model_parallel_size=2"]
     codes, outs, rows = launch(two_hosts, args, str(tmp_path), nproc_per_node=2)
     assert codes == [0, 0], "\n".join(o[-3000:] for o in outs)
+    assert all(out.count(CLEAN_EXIT) == 2 for out in outs), "\n".join(o[-3000:] for o in outs)  # 2 ranks a node
     assert_rows_equal(rows, reference[:2], abs_tol=1e-5, rel_tol=1e-4,
                       names=["loss/policy", "reward/mean", "completion/length_mean", "train/grad_norm"])

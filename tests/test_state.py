@@ -97,3 +97,31 @@ def test_collective_timeout_reaches_megatrons_groups():
 
     results = {rank: (timed_out, waited) for rank, timed_out, waited in run_distributed(_late_tp_collective, 2)}
     assert results[1][0] and results[1][1] < 3.5, results
+
+
+def _shutdown_after_a_model_ran():
+    """Megatron's groups, a rotary embedding that ran (Megatron caches it, with its context-parallel
+    group), a last collective, then ``shutdown``: (gloo workers before, gloo workers left, world still up)."""
+    import torch
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    from megatron_grpo.parallel import state
+
+    state.initialize_model_parallel(Layout(world_size=2))
+    rotary = RotaryEmbedding(kv_channels=8, rotary_percent=1.0, use_cpu_initialization=True)
+    rotary(4)
+    box = [torch.distributed.get_rank()]
+    torch.distributed.broadcast_object_list(box, src=0)  # the kind of collective a run ends with
+    before = state.gloo_worker_threads()
+    del rotary
+    return before, state.shutdown(), torch.distributed.is_initialized()
+
+
+def test_shutdown_frees_every_gloo_group_before_exit():
+    """No gloo worker thread outlives ``shutdown``: none is left to race the interpreter's finalization
+    (a worker freeing a finished collective's tensors then aborts the process: 'terminate called without
+    an active exception'). Megatron's forgotten groups and its rotary-embedding cache included."""
+    from tests._dist import run_distributed
+
+    for before, left, initialized in run_distributed(_shutdown_after_a_model_ran, 2):
+        assert before >= 2 and left == 0 and not initialized, (before, left, initialized)

@@ -138,6 +138,27 @@ def test_summary_after_an_error_does_not_hide_it(tmp_path, capsys, restore_signa
     assert s["steps"] == 2 and s["stopped"] == "error"
 
 
+@pytest.mark.parametrize("fail_at", [None, 3])
+def test_train_puts_back_the_signal_handlers_and_lets_the_trainer_go(tmp_path, restore_signals, fail_at):
+    """Its SIGTERM/SIGINT handler is a closure over the trainer: left installed, the model, optimizer and
+    their process groups would live until the interpreter exits, past ``state.shutdown``."""
+    import gc
+    import weakref
+
+    mine = lambda signum, frame: None  # noqa: E731
+    signal.signal(signal.SIGTERM, mine)
+    trainer = StubTrainer.make(tmp_path, max_steps=4, fail_at=fail_at)
+    try:
+        trainer.train()
+    except RuntimeError:
+        assert fail_at is not None
+    assert signal.getsignal(signal.SIGTERM) is mine and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    gone = weakref.ref(trainer)
+    del trainer
+    gc.collect()
+    assert gone() is None
+
+
 def test_written_config_round_trips_as_a_recipe(tmp_path):
     from megatron_grpo.config.recipe import load_recipe
     from megatron_grpo.trainer.build import write_config

@@ -97,6 +97,33 @@ def distributed_optimizer_ranges(opt) -> Iterator[Tuple[object, object, int, int
                     yield model_param, main, ranges["param"].start, ranges["param"].end
 
 
+LEFT_SET_BY_DESTROY = ("_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP", "_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP_GLOO")
+"""``parallel_state`` globals holding process groups that ``destroy_model_parallel`` leaves set."""
+
+
+def destroy_model_parallel() -> None:
+    """``parallel_state.destroy_model_parallel()``, then the groups it forgets. 0.16.1 and 0.19: it
+    resets every group global but ``LEFT_SET_BY_DESTROY`` (without partial data parallelism: the
+    data-parallel-with-CP group and its gloo twin themselves), so those groups, and a gloo group's
+    worker threads, outlive the teardown; they are reset here too (private module globals)."""
+    from megatron.core import parallel_state as ps
+
+    ps.destroy_model_parallel()
+    for name in LEFT_SET_BY_DESTROY:
+        if getattr(ps, name, None) is not None:
+            setattr(ps, name, None)
+
+
+def clear_module_caches() -> None:
+    """Empties the caches through which Megatron keeps model modules alive after the model is dropped.
+    0.16.1 and 0.19: ``RotaryEmbedding.forward`` is an ``lru_cache(maxsize=32)`` method, so its cache
+    holds every rotary embedding (``self``) that ran, and with it the model's context-parallel group
+    (``self.cp_group``), until the process ends."""
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    RotaryEmbedding.forward.cache_clear()
+
+
 def set_write_results_queue(make_queue: Callable[[], object]) -> None:
     """Makes ``torch_dist``'s filesystem writer collect its writers' results through ``make_queue()``
     instead of a spawn-mode ``multiprocessing.Manager().Queue()`` (a helper process).

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 from dataclasses import dataclass
@@ -11,6 +12,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from megatron_grpo.compat.megatron import clear_module_caches, destroy_model_parallel
 from megatron_grpo.parallel import cpu, net
 
 logger = logging.getLogger(__name__)
@@ -98,7 +100,7 @@ def initialize_model_parallel(layout: Layout, seed: int = 1234, timeout_minutes:
         raise ValueError(f"layout is for {layout.world_size} ranks but the world has {dist.get_world_size()}")
     validate_layout(layout)
     if ps.model_parallel_is_initialized():
-        ps.destroy_model_parallel()
+        destroy_model_parallel()
     ps.initialize_model_parallel(
         tensor_model_parallel_size=layout.tp,
         pipeline_model_parallel_size=layout.pp,
@@ -129,10 +131,52 @@ def has_gloo_groups() -> bool:
 
 
 def destroy() -> None:
-    """Tears down Megatron's groups and the default process group."""
+    """Tears down Megatron's groups and the default process group (with every group it registered)."""
     from megatron.core import parallel_state as ps
 
     if ps.model_parallel_is_initialized():
-        ps.destroy_model_parallel()
+        destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+GLOO_WORKER_THREAD = "pt_gloo_runloop"
+"""The OS thread name of a gloo process group's worker threads (torch's ``ProcessGroupGloo``)."""
+
+
+def gloo_worker_threads() -> Optional[int]:
+    """How many gloo worker threads this process runs (two per live gloo group); None where the OS
+    does not tell (no ``/proc/self/task``)."""
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return None
+    count = 0
+    for task in tasks:
+        try:
+            with open(f"/proc/self/task/{task}/comm") as f:
+                count += f.read().strip() == GLOO_WORKER_THREAD
+        except OSError:  # the thread ended meanwhile
+            continue
+    return count
+
+
+def shutdown() -> Optional[int]:
+    """The end of a run, on each rank after its last collective, once the trainer is dropped: frees
+    every process group while the interpreter is fully alive; returns the gloo worker threads left
+    (0; None where unknown). A gloo group's worker thread drops its reference to a finished
+    collective (and its tensors) only after the caller has moved on; groups still alive when the
+    interpreter finalizes race that release against it, and a worker that then needs the GIL to free
+    a tensor's Python object is ended by ``pthread_exit``, whose unwinding through a ``noexcept``
+    destructor aborts the process ("terminate called without an active exception"). Freeing a group
+    joins its workers first. Local, not collective: no rank waits for another."""
+    clear_module_caches()
+    gc.collect()  # reference cycles that still hold a model or an optimizer (and their groups)
+    destroy()
+    left = gloo_worker_threads()
+    if left:
+        logger.warning("%d gloo worker threads outlive the process groups' teardown: something still holds a "
+                       "gloo group, and the exit may abort ('terminate called without an active exception')", left)
+    elif left == 0:
+        logger.info("process groups destroyed: no gloo worker thread left")
+    return left

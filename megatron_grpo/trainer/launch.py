@@ -12,6 +12,7 @@ from typing import Dict, Optional, Sequence
 
 from megatron_grpo.config.recipe import load_recipe
 from megatron_grpo.models.qwen3 import load_hf_config, shape_from_hf
+from megatron_grpo.parallel import state
 from megatron_grpo.trainer.layout import check_memory, describe_layout, resolve_model_dir
 
 logger = logging.getLogger(__name__)
@@ -29,7 +30,9 @@ def _print_dry_run(described: Dict, as_json: bool) -> None:
 
 def main(recipe: str, overrides: Sequence[str], dry_run: bool = False, world_size: Optional[int] = None,
          as_json: bool = False) -> int:
-    """CLI entry: load + validate the recipe (and its memory plan), then train (or print the dry run)."""
+    """CLI entry: load + validate the recipe (and its memory plan), then train (or print the dry run).
+    After a run (finished or stopped by a signal) the trainer is dropped and every process group
+    freed before the interpreter exits (``state.shutdown``); a run that raised exits with its error."""
     world_size = world_size or int(os.environ.get("WORLD_SIZE", "1"))
     try:
         cfg = load_recipe(recipe, overrides)
@@ -45,4 +48,7 @@ def main(recipe: str, overrides: Sequence[str], dry_run: bool = False, world_siz
         logger.error("%s", exc)
         print(f"error: {exc}", flush=True)
         return 2
-    return trainer.train()
+    code = trainer.train()
+    del trainer  # the last reference to the model, optimizer and engines, which hold process groups
+    state.shutdown()
+    return code

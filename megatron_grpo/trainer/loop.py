@@ -46,6 +46,8 @@ logger = logging.getLogger(__name__)
 PREEMPTED_EXIT_CODE = 75
 """Exit status of a run stopped by SIGTERM/SIGINT after its checkpoint (EX_TEMPFAIL: unfinished,
 resume it); a scheduler can tell it from success (0) and from errors (1, 2)."""
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+"""The signals that stop a run at the next step boundary, with a checkpoint."""
 
 
 class GRPOTrainer:
@@ -87,8 +89,9 @@ class GRPOTrainer:
     def train(self) -> int:
         """Runs ``grpo.max_num_steps`` steps. SIGTERM/SIGINT (on any rank) stop the run at the next
         step boundary, agreed by every rank, with a checkpoint of the last finished step; returns
-        0, or ``PREEMPTED_EXIT_CODE`` when stopped by a signal (the run is unfinished)."""
-        self._install_signal_handlers()
+        0, or ``PREEMPTED_EXIT_CODE`` when stopped by a signal (the run is unfinished). The signal
+        handlers are the caller's again on return (see ``restore_signal_handlers``)."""
+        previous = self._install_signal_handlers()
         stopped, saved_at = "error", None
         try:
             self.check_parity(force=True)
@@ -110,6 +113,7 @@ class GRPOTrainer:
         finally:
             self.close()
             self.finish(stopped)
+            restore_signal_handlers(previous)
         return PREEMPTED_EXIT_CODE if stopped == "signal" else 0
 
     def report_findings(self, metrics: Dict[str, float]) -> None:
@@ -147,13 +151,16 @@ class GRPOTrainer:
         if export and self.cfg.checkpointing.export_hf:
             export_last(self)
 
-    def _install_signal_handlers(self) -> None:
+    def _install_signal_handlers(self) -> Dict[int, object]:
+        """SIGTERM/SIGINT request a stop at the next step boundary; returns the handlers they replace."""
         def request_stop(signum, frame):
             logger.warning("signal %d: saving a checkpoint at the end of this step, then exiting", signum)
             self._stop_requested = True
 
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        previous = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
+        for sig in STOP_SIGNALS:
             signal.signal(sig, request_stop)
+        return previous
 
     def stop_requested(self) -> bool:
         """True on every rank when any rank got SIGTERM/SIGINT (agreed at the step boundary)."""
@@ -412,6 +419,14 @@ class GRPOTrainer:
         self.logger.close()
         if self.ctx.engine is not None:
             self.ctx.engine.close()
+
+
+def restore_signal_handlers(previous: Dict[int, object]) -> None:
+    """Puts back the handlers ``GRPOTrainer._install_signal_handlers`` replaced. Its handler is a
+    closure over the trainer: left installed, it keeps the trainer (model, optimizer, and the process
+    groups they hold) alive until the interpreter exits, past ``state.shutdown``."""
+    for sig, handler in previous.items():
+        signal.signal(sig, signal.SIG_DFL if handler is None else handler)
 
 
 def wake_engines(engine, colocated: bool) -> None:
