@@ -24,7 +24,9 @@ LAYERS: Dict[str, int] = {
 """docs/architecture.md's table: a module may import its own layer (no circle) and any layer below it."""
 
 MAX_LOCAL_OWN = 10
-MAX_LOCAL_ALL = 80
+MAX_LOCAL_ALL = 82
+"""A ratchet: 78 after issue 30; +2 for the teardown's compat shims (compat/ imports megatron.core inside each shim
+by design) and +1 for the packed MoE padding mask in models/__init__ (which light commands import)."""
 HEAVY = ("megatron.core", "vllm", "transformer_engine")
 
 
