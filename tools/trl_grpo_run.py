@@ -1,0 +1,101 @@
+"""TRL's GRPOTrainer on a local HF model and prompts file, timed per optimizer step (``tools/bench_trl.py``).
+
+Runs in the TRL venv that ``tools/bench_trl.py`` makes (it imports neither this project nor its venv):
+
+    VENV/bin/python tools/trl_grpo_run.py --model DIR --prompts FILE --out OUT.json [--steps 22] [...]
+
+Settings are the peer of ``megatron-grpo train``'s: fp32 on CPU, transformers' generation, every
+completion exactly ``--max-new-tokens`` long (``min_new_tokens``: EOS is suppressed until then),
+reward -len(completion), PPO clip eps, token-mean loss over the step's tokens (``dapo``), no KL
+(beta 0), ``--micro-batch-size`` sequences per micro-batch and one optimizer step per generation
+batch (gradient accumulation over the micro-batches), constant lr, AdamW (betas 0.9/0.999, eps 1e-8,
+no weight decay), grad-norm clip 1. Gradient checkpointing off (GRPOConfig's default is on; off is
+the same work as ours). Writes ``--out``: the wall clock (perf_counter) at each optimizer step's
+end and TRL's per-step logs (``num_tokens``, ``completions/mean_length``, ...).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", required=True, help="HF model folder (config, safetensors, tokenizer)")
+    parser.add_argument("--prompts", required=True, help='JSONL of {"prompt": str}')
+    parser.add_argument("--out", required=True, help="JSON with the step-end times and TRL's logs")
+    parser.add_argument("--steps", type=int, default=22, help="optimizer steps")
+    parser.add_argument("--prompts-per-step", type=int, default=4)
+    parser.add_argument("--num-generations", type=int, default=16, help="completions per prompt")
+    parser.add_argument("--max-new-tokens", type=int, default=16, help="every completion's exact length")
+    parser.add_argument("--micro-batch-size", type=int, default=8, help="sequences per forward-backward")
+    parser.add_argument("--lr", type=float, default=2e-3)
+    parser.add_argument("--eps", type=float, default=0.2, help="PPO clip epsilon (low = high)")
+    parser.add_argument("--seed", type=int, default=42)
+    parser.add_argument("--gradient-checkpointing", action="store_true", help="TRL's default; off here")
+    return parser.parse_args(argv)
+
+
+def grpo_config_kwargs(args: argparse.Namespace, output_dir: str) -> dict:
+    """``GRPOConfig`` keyword arguments for ``args`` (pure: no TRL import)."""
+    sequences = args.prompts_per_step * args.num_generations
+    if sequences % args.micro_batch_size:
+        raise ValueError(f"{sequences} sequences per step are not a multiple of --micro-batch-size "
+                         f"{args.micro_batch_size}")
+    return dict(
+        output_dir=output_dir, use_cpu=True, bf16=False, fp16=False, seed=args.seed, max_steps=args.steps,
+        per_device_train_batch_size=args.micro_batch_size, gradient_accumulation_steps=sequences // args.micro_batch_size,
+        num_generations=args.num_generations, max_completion_length=args.max_new_tokens,
+        generation_kwargs={"min_new_tokens": args.max_new_tokens}, temperature=1.0, top_p=1.0, top_k=0,
+        learning_rate=args.lr, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, adam_beta1=0.9,
+        adam_beta2=0.999, adam_epsilon=1e-8, max_grad_norm=1.0, epsilon=args.eps, beta=0.0, num_iterations=1,
+        loss_type="dapo", scale_rewards="group", gradient_checkpointing=args.gradient_checkpointing,
+        model_init_kwargs={"dtype": "float32"}, logging_steps=1, report_to="none", save_strategy="no",
+        disable_tqdm=True, log_completions=False, dataloader_num_workers=0, use_vllm=False,
+    )
+
+
+def negative_length(completions, completion_ids, **kwargs):
+    """The reward: -len(completion) in tokens (ours: ``reward.name=negative_length``)."""
+    return [-float(len(ids)) for ids in completion_ids]
+
+
+def read_prompts(path: str) -> list:
+    with open(path) as f:
+        return [{"prompt": json.loads(line)["prompt"]} for line in f if line.strip()]
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    for key in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        os.environ.setdefault(key, "1")
+    from datasets import Dataset
+    from transformers import AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    times, history = [], []
+
+    class StepTimes(TrainerCallback):
+        def on_train_begin(self, *a, **kw):
+            times.append(time.perf_counter())
+
+        def on_step_end(self, *a, **kw):
+            times.append(time.perf_counter())
+
+        def on_log(self, _args, state, control, logs=None, **kw):
+            history.append({"step": state.global_step, **(logs or {})})
+
+    config = GRPOConfig(**grpo_config_kwargs(args, os.path.join(os.path.dirname(os.path.abspath(args.out)), "trl-out")))
+    trainer = GRPOTrainer(model=args.model, reward_funcs=negative_length, args=config,
+                          train_dataset=Dataset.from_list(read_prompts(args.prompts)),
+                          processing_class=AutoTokenizer.from_pretrained(args.model), callbacks=[StepTimes()])
+    trainer.train()
+    with open(args.out, "w") as f:
+        json.dump({"train_begin": times[0], "step_end": times[1:], "logs": history}, f)
+
+
+if __name__ == "__main__":
+    main()
