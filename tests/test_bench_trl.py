@@ -69,8 +69,8 @@ def test_prompts_have_exactly_the_asked_token_count():
 
 
 def test_step_times_and_the_ratio_table():
-    assert bench_trl.step_seconds([10.0, 11.0, 13.0, 16.0], warmup=2) == [2.0, 3.0]  # steps 3 and 4
-    assert bench_trl.step_seconds([10.0, 11.0, 13.0], warmup=1) == [1.0, 2.0]
+    times = {"step_start": [0.0, 10.0, 20.0, 30.0], "step_end": [1.0, 12.0, 23.0, 34.0]}
+    assert bench_trl.step_seconds(times, warmup=2) == [3.0, 4.0]  # steps 3 and 4, each end - start
     results = {"trl": bench_trl.summary([2.0, 2.0, 5.0], 1536), "ours": bench_trl.summary([1.0, 3.0, 3.5], 1536),
                "ours-diag10": bench_trl.summary([1.0, 1.0, 1.0], 1536)}
     assert results["trl"] == {"median": 2.0, "mean": 3.0, "tokens": 1536, "steps": 3}
@@ -80,6 +80,48 @@ def test_step_times_and_the_ratio_table():
     assert ours.split() == ["ours", "1536", "3.000", "2.500", "1.50", "0.83"]
     assert diag.split() == ["ours-diag10", "1536", "1.000", "1.000", "0.50", "0.33"]
     assert [line.split()[-1] for line in bench_trl.ratio_table({"ours": results["ours"]})] == ["mean", "2.500"]
+
+
+def test_runs_take_turns_and_a_finished_run_passes_its_turn_on(tmp_path):
+    a, b, c = (trl_grpo_run.Baton(str(tmp_path), n, ["a", "b", "c"], timeout_s=0.2) for n in "abc")
+    a.acquire()  # no turn yet: the first to ask steps
+    a.release()
+    assert (tmp_path / "turn").read_text() == "b"
+    with pytest.raises(TimeoutError, match="held by b"):
+        a.acquire()
+    b.acquire()
+    b.done()  # b finished: the turn goes to c, and b is skipped from now on
+    c.acquire()
+    c.release()
+    a.acquire()
+    a.release()
+    assert (tmp_path / "turn").read_text() == "c"
+    c.done()
+    a.acquire()  # alone: its own turn again and again
+    a.release()
+    a.acquire()
+
+
+def test_commands_carry_turns_threads_and_each_runs_settings():
+    args = bench_trl.parse_args(["--out", "/o", "--threads", "1", "x=1"])
+    runs = bench_trl.commands(args, "/v/bin/python", "/m", "/p")
+    assert list(runs) == ["trl", "ours", "ours-diag10"]
+    for name, (cmd, folder) in runs.items():
+        assert folder == f"/o/{name}" and cmd[-6:] == ["--baton", "/o/baton", "--order", "trl,ours,ours-diag10",
+                                                       "--name", name]
+    assert runs["trl"][0][:2] == ["/v/bin/python", bench_trl.TRL_SCRIPT]
+    assert "grpo.diagnostics_every=10" in runs["ours-diag10"][0] and "x=1" in runs["ours-diag10"][0]
+    assert not any(a.startswith("grpo.diagnostics_every") for a in runs["ours"][0])
+    worker = bench_trl.parse_args(runs["ours"][0][2:])  # the worker reads its turn options and the overrides
+    assert (worker.ours_worker, worker.baton, worker.name, worker.order) == ("/o/ours", "/o/baton", "ours",
+                                                                             "trl,ours,ours-diag10")
+    assert worker.overrides[-1] == "x=1" and all("=" in o for o in worker.overrides)
+    assert trl_grpo_run.parse_args(runs["trl"][0][2:]).name == "trl"
+    sequential = bench_trl.commands(bench_trl.parse_args(["--sequential"]), "/v/bin/python", "/m", "/p")
+    assert not any("--baton" in cmd for cmd, _ in sequential.values())
+    assert bench_trl.thread_env(0) == {}
+    assert bench_trl.thread_env(1) == {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
+                                       "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
 
 
 def test_a_venv_made_for_this_trl_version_is_reused(tmp_path, monkeypatch):

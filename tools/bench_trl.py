@@ -17,9 +17,14 @@ shape: ``--prompts-per-step`` x ``--num-generations`` completions of exactly ``-
   default (shadow forward and deployed-improvement probe every step, parity probe every push);
 - ``ours-diag10``: the same with ``grpo.diagnostics_every=10``.
 
-Seconds per step are wall-clock intervals between consecutive optimizer-step ends (each trainer's own
-clock), steps ``warmup+1 .. warmup+steps``; prints the median and the mean, tokens per step (prompt +
-completion, from each trainer's own counts) and ours / TRL, then our phases (``timing/*`` of metrics.jsonl).
+The three run at the same time, taking turns step by step (``trl_grpo_run.Baton``: one steps, the others
+wait idle), so each sees the same background load of a shared machine (``--sequential``: one after the
+other). A step's seconds: wall clock from its start to its end, TRL from ``on_step_begin`` to
+``on_step_end`` (generation, forward-backward, optimizer), ours from the rollout request to its metrics
+logged (generation, train, weight push, parity probe, metrics); steps ``warmup+1 .. warmup+steps``. Prints
+the median and the mean, tokens per step (prompt + completion, from each trainer's own counts) and
+ours / TRL, then our phases (``timing/*`` of metrics.jsonl). ``--threads 1``: one OpenMP thread per
+process (vLLM's unbound), for a loaded machine where 2 threads per process stall on each other.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import statistics
 import subprocess
 import sys
@@ -59,7 +65,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--eps", type=float, default=0.2)
     parser.add_argument("--recipe", default=os.path.join(ROOT, "recipes", "grpo-tiny-eos-cpu.yaml"))
     parser.add_argument("--runs", default=",".join(RUNS), help=f"comma-separated subset of {', '.join(RUNS)}")
+    parser.add_argument("--threads", type=int, default=0,
+                        help="OpenMP threads of every trainer process and of vLLM (unbound); 0 = the libraries' "
+                             "defaults (all cores). On a loaded shared machine 1 avoids oversubscription stalls")
+    parser.add_argument("--sequential", action="store_true",
+                        help="run one trainer after the other instead of all at once taking turns step by step")
     parser.add_argument("--ours-worker", default=None, metavar="LOG_DIR", help=argparse.SUPPRESS)
+    parser.add_argument("--baton", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--name", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--order", default=None, help=argparse.SUPPRESS)
     parser.add_argument("overrides", nargs="*", help="key=value overrides of our recipe (both of our runs)")
     args = parser.parse_args(argv)
     args.runs = [r for r in args.runs.split(",") if r]
@@ -85,7 +99,9 @@ def ensure_venv(venv: str, trl_version: str) -> float | None:
     started = time.perf_counter()
     subprocess.run([getattr(sys, "_base_executable", sys.executable), "-m", "venv", "--clear", venv], check=True)
     pins = [f"torch=={torch.__version__.split('+')[0]}", f"trl=={trl_version}"]
-    subprocess.run([os.path.join(venv, "bin", "python"), "-m", "pip", "install", "-q", *pins], check=True)
+    with open(os.path.join(venv, "pip-install.log"), "w") as log:
+        subprocess.run([os.path.join(venv, "bin", "python"), "-m", "pip", "install", *pins], check=True, stdout=log,
+                       stderr=subprocess.STDOUT)
     seconds = time.perf_counter() - started
     with open(marker, "w") as f:
         json.dump({"trl": trl_version, "pins": pins, "install_s": seconds}, f)
@@ -161,28 +177,40 @@ def trl_command(python: str, args, model_dir: str, prompts: str, out_json: str) 
             "--micro-batch-size", str(args.micro_batch_size), "--lr", str(args.lr), "--eps", str(args.eps)]
 
 
-def ours_worker(log_dir: str, recipe: str, overrides: list) -> None:
-    """Runs our trainer in this process; writes the wall clock at each step's end (when its metrics are
-    logged) to LOG_DIR/step_end.json."""
+def ours_worker(log_dir: str, recipe: str, overrides: list, baton=None) -> None:
+    """Runs our trainer in this process; writes each step's wall-clock start (before rollouts) and end
+    (its metrics logged) to LOG_DIR/step_times.json. With ``baton`` it steps in turns."""
     from megatron_grpo.config.recipe import load_recipe
     from megatron_grpo.trainer.loop import GRPOTrainer
 
     trainer = GRPOTrainer(load_recipe(recipe, overrides))
-    ends, log = [], trainer.logger.log
+    start, end, train_step, log = [], [], trainer.train_step, trainer.logger.log
+
+    def timed_step():
+        if baton:
+            baton.acquire()
+        start.append(time.perf_counter())
+        return train_step()
 
     def timed_log(step, metrics):
-        ends.append(time.perf_counter())
         log(step, metrics)
+        end.append(time.perf_counter())
+        if baton:
+            baton.release()
 
-    trainer.logger.log = timed_log
-    trainer.train()
-    with open(os.path.join(log_dir, "step_end.json"), "w") as f:
-        json.dump(ends, f)
+    trainer.train_step, trainer.logger.log = timed_step, timed_log
+    try:
+        trainer.train()
+    finally:
+        if baton:
+            baton.done()
+    with open(os.path.join(log_dir, "step_times.json"), "w") as f:
+        json.dump({"step_start": start, "step_end": end}, f)
 
 
-def step_seconds(step_end: list, warmup: int) -> list:
-    """Seconds of steps warmup+1 ...: intervals between consecutive step ends (``step_end[0]``: step 1's)."""
-    return [step_end[i] - step_end[i - 1] for i in range(max(warmup, 1), len(step_end))]
+def step_seconds(times: dict, warmup: int) -> list:
+    """Seconds of steps warmup+1 ...: each step's end - start."""
+    return [e - s for s, e in zip(times["step_start"], times["step_end"])][warmup:]
 
 
 def summary(seconds: list, tokens: float) -> dict:
@@ -203,68 +231,118 @@ def ratio_table(results: dict, base: str = "trl") -> list:
     return lines
 
 
-def run_trl(args, python: str, model_dir: str, prompts: str) -> dict:
-    out_json = os.path.join(args.out, "trl", "times.json")
-    os.makedirs(os.path.dirname(out_json), exist_ok=True)
-    with open(os.path.join(args.out, "trl", "log.txt"), "w") as log:
-        subprocess.run(trl_command(python, args, model_dir, prompts, out_json), check=True, stdout=log,
-                       stderr=subprocess.STDOUT)
-    data = json.load(open(out_json))
+def thread_env(threads: int) -> dict:
+    """``--threads N``: N OpenMP threads in every trainer process, vLLM's unbound (0: the libraries' defaults)."""
+    if not threads:
+        return {}
+    return {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads), "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+
+
+def commands(args, python: str, model_dir: str, prompts: str) -> dict:
+    """name -> (command, its folder) of each run; with turns unless ``--sequential``."""
+    order = ",".join(args.runs)
+    baton = [] if args.sequential else ["--baton", os.path.join(args.out, "baton"), "--order", order]
+    out = {}
+    for name in args.runs:
+        folder = os.path.join(args.out, name)
+        if name == "trl":
+            cmd = trl_command(python, args, model_dir, prompts, os.path.join(folder, "step_times.json"))
+        else:
+            every = 10 if name == "ours-diag10" else None
+            cmd = [sys.executable, os.path.abspath(__file__), "--ours-worker", folder, "--recipe", args.recipe,
+                   *ours_overrides(args, model_dir, prompts, folder, every)]
+        out[name] = (cmd + baton + (["--name", name] if baton else []), folder)
+    return out
+
+
+def launch(args, runs: dict) -> None:
+    """Runs the commands (all at once, taking turns; or one after the other with ``--sequential``); a failed
+    run stops the others and raises, naming its log."""
+    if not args.sequential:
+        shutil.rmtree(os.path.join(args.out, "baton"), ignore_errors=True)
+        os.makedirs(os.path.join(args.out, "baton"))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])),
+               **thread_env(args.threads))
+    procs = {}
+    for name, (cmd, folder) in runs.items():
+        shutil.rmtree(folder, ignore_errors=True)
+        os.makedirs(folder)
+        with open(os.path.join(folder, "log.txt"), "w") as log:
+            procs[name] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+        if args.sequential:
+            procs[name].wait()
+        _stop_on_failure(procs, runs)
+    while any(p.poll() is None for p in procs.values()):
+        time.sleep(1.0)
+        _stop_on_failure(procs, runs)
+
+
+def _stop_on_failure(procs: dict, runs: dict) -> None:
+    failed = [n for n, p in procs.items() if p.poll() not in (None, 0)]
+    if failed:
+        for p in procs.values():
+            if p.poll() is None:
+                p.terminate()
+        raise RuntimeError(f"{failed[0]} failed: see {os.path.join(runs[failed[0]][1], 'log.txt')}")
+
+
+def collect_trl(args, folder: str) -> dict:
+    data = json.load(open(os.path.join(folder, "step_times.json")))
     seen = [row["num_tokens"] for row in data["logs"] if "num_tokens" in row]
     tokens = statistics.median([b - a for a, b in zip(seen[args.warmup - 1:], seen[args.warmup:])])
     lengths = [row["completions/mean_length"] for row in data["logs"] if "completions/mean_length" in row]
     if set(lengths) != {float(args.max_new_tokens)}:
         raise RuntimeError(f"TRL completion lengths {sorted(set(lengths))} != {args.max_new_tokens}")
-    return summary(step_seconds(data["step_end"], args.warmup), tokens)
+    return summary(step_seconds(data, args.warmup), tokens)
 
 
-def run_ours(args, name: str, model_dir: str, prompts: str, diagnostics_every=None) -> tuple:
-    """(summary, mean of each timing/* over the timed steps) of one run of ours, in a subprocess."""
-    log_dir = os.path.join(args.out, name)
-    os.makedirs(log_dir, exist_ok=True)
-    for stale in ("metrics.jsonl", "step_end.json"):
-        if os.path.exists(os.path.join(log_dir, stale)):
-            os.remove(os.path.join(log_dir, stale))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
-    cmd = [sys.executable, os.path.abspath(__file__), "--ours-worker", log_dir, "--recipe", args.recipe,
-           *ours_overrides(args, model_dir, prompts, log_dir, diagnostics_every)]
-    with open(os.path.join(log_dir, "log.txt"), "w") as log:
-        subprocess.run(cmd, check=True, stdout=log, stderr=subprocess.STDOUT, env=env)
-    rows = [json.loads(line) for line in open(os.path.join(log_dir, "metrics.jsonl"))][args.warmup:]
+def collect_ours(args, folder: str) -> tuple:
+    """(summary, mean of each timing/* over the timed steps) of one run of ours."""
+    rows = [json.loads(line) for line in open(os.path.join(folder, "metrics.jsonl"))][args.warmup:]
     lengths = {r["completion/length_mean"] for r in rows}
     if lengths != {float(args.max_new_tokens)}:
-        raise RuntimeError(f"{name}: completion lengths {sorted(lengths)} != {args.max_new_tokens}")
-    sequences = args.prompts_per_step * args.num_generations
-    tokens = sequences * (args.prompt_tokens + args.max_new_tokens)
+        raise RuntimeError(f"{folder}: completion lengths {sorted(lengths)} != {args.max_new_tokens}")
+    tokens = args.prompts_per_step * args.num_generations * (args.prompt_tokens + args.max_new_tokens)
     phases = {k: statistics.fmean(r.get(k) or 0.0 for r in rows) for k in rows[0] if k.startswith("timing/")}
-    return summary(step_seconds(json.load(open(os.path.join(log_dir, "step_end.json"))), args.warmup), tokens), phases
+    return summary(step_seconds(json.load(open(os.path.join(folder, "step_times.json"))), args.warmup), tokens), phases
+
+
+def report(args, results: dict, phases: dict, load: tuple, wall: float) -> None:
+    how = "one after the other" if args.sequential else "at the same time, taking turns step by step"
+    print(f"\nruns {how} ({wall:.0f} s; load average {load[0]:.1f} before, {load[1]:.1f} after; threads "
+          f"{args.threads or 'default'}); s/step of steps {args.warmup + 1}..{args.warmup + args.steps}")
+    print("\n".join(ratio_table(results)))
+    for name, values in phases.items():
+        print(f"{name} phases (mean s/step): " + ", ".join(f"{k[7:-2]} {v:.3f}" for k, v in values.items()))
 
 
 def main(argv=None) -> None:
     args = parse_args(argv)
     if args.ours_worker:
-        return ours_worker(args.ours_worker, args.recipe, args.overrides)
+        from trl_grpo_run import Baton
+
+        baton = Baton(args.baton, args.name, args.order.split(",")) if args.baton else None
+        return ours_worker(args.ours_worker, args.recipe, args.overrides, baton)
     os.makedirs(args.out, exist_ok=True)
     model_dir, params = make_model(args.out, args.hidden, args.layers)
     prompts = write_prompts(model_dir, os.path.join(args.out, "prompts.jsonl"), 64, args.prompt_tokens)
     print(f"model {model_dir}: Qwen3 hidden {args.hidden}, {args.layers} layers, {params / 1e6:.1f}M parameters; "
           f"{args.prompts_per_step} x {args.num_generations} completions of {args.max_new_tokens} tokens, prompts "
           f"of {args.prompt_tokens}; micro-batch {args.micro_batch_size}; {os.cpu_count()} CPU cores", flush=True)
-    results, phases = {}, {}
     if "trl" in args.runs:
         installed = ensure_venv(args.venv, args.trl_version)
-        print(f"TRL venv {args.venv}: " + ("cached" if installed is None else f"installed in {installed:.0f} s"),
-              flush=True)
-        results["trl"] = run_trl(args, os.path.join(args.venv, "bin", "python"), model_dir, prompts)
-        print(f"trl: {results['trl']}", flush=True)
-    for name, every in (("ours", None), ("ours-diag10", 10)):
-        if name in args.runs:
-            results[name], phases[name] = run_ours(args, name, model_dir, prompts, every)
-            print(f"{name}: {results[name]}", flush=True)
-    print(f"\nsteps {args.warmup + 1}..{args.warmup + args.steps} (after {args.warmup} warm-up)")
-    print("\n".join(ratio_table(results)))
-    for name, values in phases.items():
-        print(f"{name} phases (mean s/step): " + ", ".join(f"{k[7:-2]} {v:.3f}" for k, v in values.items()))
+        print(f"TRL {args.trl_version} venv {args.venv}: " +
+              ("cached" if installed is None else f"installed in {installed:.0f} s"), flush=True)
+    load, started = os.getloadavg()[0], time.perf_counter()
+    runs = commands(args, os.path.join(args.venv, "bin", "python"), model_dir, prompts)
+    launch(args, runs)
+    results, phases = {}, {}
+    for name, (_, folder) in runs.items():
+        if name == "trl":
+            results[name] = collect_trl(args, folder)
+        else:
+            results[name], phases[name] = collect_ours(args, folder)
+    report(args, results, phases, (load, os.getloadavg()[0]), time.perf_counter() - started)
 
 
 if __name__ == "__main__":

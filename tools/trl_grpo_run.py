@@ -10,8 +10,10 @@ reward -len(completion), PPO clip eps, token-mean loss over the step's tokens (`
 (beta 0), ``--micro-batch-size`` sequences per micro-batch and one optimizer step per generation
 batch (gradient accumulation over the micro-batches), constant lr, AdamW (betas 0.9/0.999, eps 1e-8,
 no weight decay), grad-norm clip 1. Gradient checkpointing off (GRPOConfig's default is on; off is
-the same work as ours). Writes ``--out``: the wall clock (perf_counter) at each optimizer step's
-end and TRL's per-step logs (``num_tokens``, ``completions/mean_length``, ...).
+the same work as ours). Writes ``--out``: the wall clock (perf_counter) at each optimizer step's start
+and end (``on_step_begin`` / ``on_step_end``: generation, forward-backward, optimizer) and TRL's per-step
+logs (``num_tokens``, ``completions/mean_length``, ...). With ``--baton`` it steps in turns with the
+other trainers of the benchmark (``Baton``).
 """
 
 from __future__ import annotations
@@ -20,6 +22,57 @@ import argparse
 import json
 import os
 import time
+
+
+class Baton:
+    """Turns between trainers that run at the same time (``tools/bench_trl.py``): a trainer steps only while
+    ``DIR/turn`` names it, then hands the turn to the next of ``order`` that has not finished (``DIR/done-NAME``),
+    so the trainers share the machine's background load step by step and never overlap. Stdlib only."""
+
+    def __init__(self, folder: str, name: str, order, timeout_s: float = 3600.0):
+        self.folder, self.name, self.order, self.timeout_s = folder, name, list(order), timeout_s
+
+    def _read(self):
+        try:
+            with open(os.path.join(self.folder, "turn")) as f:
+                return f.read().strip()
+        except FileNotFoundError:
+            return None
+
+    def _write(self, name: str) -> None:
+        tmp = os.path.join(self.folder, f"turn.{self.name}.tmp")
+        with open(tmp, "w") as f:
+            f.write(name)
+        os.replace(tmp, os.path.join(self.folder, "turn"))
+
+    def _finished(self, name: str) -> bool:
+        return os.path.exists(os.path.join(self.folder, f"done-{name}"))
+
+    def _next(self, after: str) -> str:
+        i = self.order.index(after)
+        later = self.order[i + 1:] + self.order[:i + 1]
+        return next((n for n in later if not self._finished(n)), after)
+
+    def acquire(self) -> None:
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            turn = self._read()
+            if turn is None or turn == self.name:
+                return
+            if self._finished(turn):  # its owner ended without handing it on
+                self._write(self._next(turn))
+                continue
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self.name}: waited {self.timeout_s:.0f} s for the turn held by {turn}")
+            time.sleep(0.02)
+
+    def release(self) -> None:
+        self._write(self._next(self.name))
+
+    def done(self) -> None:
+        open(os.path.join(self.folder, f"done-{self.name}"), "w").close()
+        if self._read() == self.name:
+            self.release()
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -36,6 +89,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--eps", type=float, default=0.2, help="PPO clip epsilon (low = high)")
     parser.add_argument("--seed", type=int, default=42)
     parser.add_argument("--gradient-checkpointing", action="store_true", help="TRL's default; off here")
+    parser.add_argument("--baton", default=None, metavar="DIR", help="step in turns with other trainers (Baton)")
+    parser.add_argument("--name", default="trl", help="this trainer's name in the baton's order")
+    parser.add_argument("--order", default="trl", help="comma-separated names taking turns")
     return parser.parse_args(argv)
 
 
@@ -76,14 +132,19 @@ def main(argv=None) -> None:
     from transformers import AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    times, history = [], []
+    baton = Baton(args.baton, args.name, args.order.split(",")) if args.baton else None
+    start, end, history = [], [], []
 
     class StepTimes(TrainerCallback):
-        def on_train_begin(self, *a, **kw):
-            times.append(time.perf_counter())
+        def on_step_begin(self, *a, **kw):
+            if baton:
+                baton.acquire()
+            start.append(time.perf_counter())
 
         def on_step_end(self, *a, **kw):
-            times.append(time.perf_counter())
+            end.append(time.perf_counter())
+            if baton:
+                baton.release()
 
         def on_log(self, _args, state, control, logs=None, **kw):
             history.append({"step": state.global_step, **(logs or {})})
@@ -92,9 +153,13 @@ def main(argv=None) -> None:
     trainer = GRPOTrainer(model=args.model, reward_funcs=negative_length, args=config,
                           train_dataset=Dataset.from_list(read_prompts(args.prompts)),
                           processing_class=AutoTokenizer.from_pretrained(args.model), callbacks=[StepTimes()])
-    trainer.train()
+    try:
+        trainer.train()
+    finally:
+        if baton:
+            baton.done()
     with open(args.out, "w") as f:
-        json.dump({"train_begin": times[0], "step_end": times[1:], "logs": history}, f)
+        json.dump({"step_start": start, "step_end": end, "logs": history}, f)
 
 
 if __name__ == "__main__":
