@@ -23,7 +23,8 @@ other). A step's seconds: wall clock from its start to its end, TRL from ``on_st
 ``on_step_end`` (generation, forward-backward, optimizer), ours from the rollout request to its metrics
 logged (generation, train, weight push, parity probe, metrics); steps ``warmup+1 .. warmup+steps``. Prints
 the median and the mean, tokens per step (prompt + completion, from each trainer's own counts) and
-ours / TRL, then our phases (``timing/*`` of metrics.jsonl). ``--threads 1``: one OpenMP thread per
+ours / TRL, then the phases (ours: ``timing/*`` of metrics.jsonl; TRL: its ``generate`` and ``rollout``,
+generate + rewards + advantages). ``--threads 1``: one OpenMP thread per
 process (vLLM's unbound), for a loaded machine where 2 threads per process stall on each other.
 """
 
@@ -286,14 +287,19 @@ def _stop_on_failure(procs: dict, runs: dict) -> None:
         raise RuntimeError(f"{failed[0]} failed: see {os.path.join(runs[failed[0]][1], 'log.txt')}")
 
 
-def collect_trl(args, folder: str) -> dict:
+def collect_trl(args, folder: str) -> tuple:
+    """(summary, mean seconds of TRL's generate and rollout over the timed steps)."""
     data = json.load(open(os.path.join(folder, "step_times.json")))
     seen = [row["num_tokens"] for row in data["logs"] if "num_tokens" in row]
     tokens = statistics.median([b - a for a, b in zip(seen[args.warmup - 1:], seen[args.warmup:])])
     lengths = [row["completions/mean_length"] for row in data["logs"] if "completions/mean_length" in row]
     if set(lengths) != {float(args.max_new_tokens)}:
         raise RuntimeError(f"TRL completion lengths {sorted(set(lengths))} != {args.max_new_tokens}")
-    return summary(step_seconds(data, args.warmup), tokens)
+    phases = {k: statistics.fmean(v[args.warmup:]) for k, v in data["phases"].items() if v[args.warmup:]}
+    result = summary(step_seconds(data, args.warmup), tokens)
+    if "rollout" in phases:
+        phases["train (the rest)"] = result["mean"] - phases["rollout"]
+    return result, phases
 
 
 def collect_ours(args, folder: str) -> tuple:
@@ -313,7 +319,11 @@ def report(args, results: dict, phases: dict, load: tuple, wall: float) -> None:
           f"{args.threads or 'default'}); s/step of steps {args.warmup + 1}..{args.warmup + args.steps}")
     print("\n".join(ratio_table(results)))
     for name, values in phases.items():
-        print(f"{name} phases (mean s/step): " + ", ".join(f"{k[7:-2]} {v:.3f}" for k, v in values.items()))
+        print(f"{name} phases (mean s/step): " + ", ".join(f"{_phase(k)} {v:.3f}" for k, v in values.items()))
+
+
+def _phase(key: str) -> str:
+    return key[len("timing/"):-len("_s")] if key.startswith("timing/") else key
 
 
 def main(argv=None) -> None:
@@ -338,10 +348,8 @@ def main(argv=None) -> None:
     launch(args, runs)
     results, phases = {}, {}
     for name, (_, folder) in runs.items():
-        if name == "trl":
-            results[name] = collect_trl(args, folder)
-        else:
-            results[name], phases[name] = collect_ours(args, folder)
+        collect = collect_trl if name == "trl" else collect_ours
+        results[name], phases[name] = collect(args, folder)
     report(args, results, phases, (load, os.getloadavg()[0]), time.perf_counter() - started)
 
 

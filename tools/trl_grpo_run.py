@@ -12,7 +12,8 @@ batch (gradient accumulation over the micro-batches), constant lr, AdamW (betas 
 no weight decay), grad-norm clip 1. Gradient checkpointing off (GRPOConfig's default is on; off is
 the same work as ours). Writes ``--out``: the wall clock (perf_counter) at each optimizer step's start
 and end (``on_step_begin`` / ``on_step_end``: generation, forward-backward, optimizer) and TRL's per-step
-logs (``num_tokens``, ``completions/mean_length``, ...). With ``--baton`` it steps in turns with the
+logs (``num_tokens``, ``completions/mean_length``, ...) and the seconds of each generation (transformers'
+``generate``; ``rollout``: with the rewards and advantages). With ``--baton`` it steps in turns with the
 other trainers of the benchmark (``Baton``).
 """
 
@@ -124,6 +125,20 @@ def read_prompts(path: str) -> list:
         return [{"prompt": json.loads(line)["prompt"]} for line in f if line.strip()]
 
 
+def timed_method(obj, name: str, seconds: list) -> None:
+    """Appends the wall seconds of every call of ``obj.name`` to ``seconds``."""
+    method = getattr(obj, name)
+
+    def timed(*args, **kwargs):
+        started = time.perf_counter()
+        try:
+            return method(*args, **kwargs)
+        finally:
+            seconds.append(time.perf_counter() - started)
+
+    setattr(obj, name, timed)
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     for key in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
@@ -153,13 +168,16 @@ def main(argv=None) -> None:
     trainer = GRPOTrainer(model=args.model, reward_funcs=negative_length, args=config,
                           train_dataset=Dataset.from_list(read_prompts(args.prompts)),
                           processing_class=AutoTokenizer.from_pretrained(args.model), callbacks=[StepTimes()])
+    phases = {"generate": [], "rollout": []}  # generate: transformers' generate; rollout: + rewards, advantages
+    timed_method(trainer, "_generate_single_turn", phases["generate"])
+    timed_method(trainer, "_generate_and_score_completions", phases["rollout"])
     try:
         trainer.train()
     finally:
         if baton:
             baton.done()
     with open(args.out, "w") as f:
-        json.dump({"step_start": start, "step_end": end, "logs": history}, f)
+        json.dump({"step_start": start, "step_end": end, "logs": history, "phases": phases}, f)
 
 
 if __name__ == "__main__":
