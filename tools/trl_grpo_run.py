@@ -28,7 +28,8 @@ import time
 class Baton:
     """Turns between trainers that run at the same time (``tools/bench_trl.py``): a trainer steps only while
     ``DIR/turn`` names it, then hands the turn to the next of ``order`` that has not finished (``DIR/done-NAME``),
-    so the trainers share the machine's background load step by step and never overlap. Stdlib only."""
+    so the trainers share the machine's background load step by step and never overlap; ``DIR/stop`` ends the
+    waiting with an error (the benchmark stops). Stdlib only."""
 
     def __init__(self, folder: str, name: str, order, timeout_s: float = 3600.0):
         self.folder, self.name, self.order, self.timeout_s = folder, name, list(order), timeout_s
@@ -57,6 +58,8 @@ class Baton:
     def acquire(self) -> None:
         deadline = time.monotonic() + self.timeout_s
         while True:
+            if os.path.exists(os.path.join(self.folder, "stop")):
+                raise RuntimeError(f"{self.name}: the benchmark stopped (another run failed)")
             turn = self._read()
             if turn is None or turn == self.name:
                 return
