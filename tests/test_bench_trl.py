@@ -17,8 +17,9 @@ import trl_grpo_run  # noqa: E402
 
 def test_arguments_defaults_and_errors(capsys):
     args = bench_trl.parse_args(["--out", "/tmp/x"])
-    assert (args.hidden, args.layers, args.prompts_per_step, args.num_generations, args.max_new_tokens) == (512, 8, 4, 16, 16)
-    assert args.runs == ["trl", "ours", "ours-diag10", "ours-all10"] and args.venv == "/tmp/x/venv" and args.overrides == []
+    shape = (args.hidden, args.layers, args.prompts_per_step, args.num_generations, args.max_new_tokens)
+    assert shape == (512, 8, 4, 16, 16) and args.venv == "/tmp/x/venv" and args.overrides == []
+    assert args.runs == ["trl", "ours", "ours-diag10", "ours-all10"]
     assert bench_trl.parse_args(["--runs", "ours", "a=1"]).overrides == ["a=1"]
     for bad in (["--runs", "ours,nemo"], ["--warmup", "0"], ["--micro-batch-size", "5"]):
         with pytest.raises(SystemExit):
@@ -56,7 +57,8 @@ def test_our_overrides_make_a_valid_recipe_of_the_same_shape(tiny_dense, tmp_pat
         assert cfg.generation.ignore_eos and cfg.generation.max_new_tokens == 12 and cfg.grpo.max_num_steps == 7
         assert (cfg.grpo.num_prompts_per_step, cfg.grpo.num_generations_per_prompt) == (4, 16)
         assert cfg.policy.train_micro_batch_size == 8 and cfg.policy.megatron_cfg.optimizer.lr == 2e-3
-        assert (cfg.loss_fn.ratio_clip_min, cfg.loss_fn.ratio_clip_max, cfg.loss_fn.aggregation) == (0.2, 0.2, "token_mean")
+        loss = cfg.loss_fn
+        assert (loss.ratio_clip_min, loss.ratio_clip_max, loss.aggregation) == (0.2, 0.2, "token_mean")
         assert cfg.grpo.diagnostics_every == (1 if name == "ours" else 10) and not cfg.logger.tensorboard
         assert cfg.generation.parity_probe_every == (10 if name == "ours-all10" else 1)
         assert cfg.generation.backend == "vllm"  # the recipe's generator

@@ -1,13 +1,14 @@
 """Benchmark: our GRPO step vs TRL's GRPOTrainer at equal tokens per step, side by side in one run.
 
-    python tools/bench_trl.py [--hidden 512 --layers 8] [--steps 20 --warmup 2] [--runs trl,ours,ours-diag10,ours-all10]
-                              [--out runs/bench-trl] [--venv DIR] [key=value ... (ours only)]
+    python tools/bench_trl.py --threads 1 [--hidden 512 --layers 8] [--steps 20 --warmup 2] [--sequential]
+                              [--runs trl,ours,ours-diag10,ours-all10] [--out runs/bench-trl] [--venv DIR]
+                              [key=value ... (ours only)]
 
 Makes (once, cached under ``--out``): a separate venv with ``trl==1.16.0`` and ``torch`` of our version
 (``--venv``; the install time is printed), a random-init Qwen3 of the given shape with the local tokenizer
 (``make_tiny_model``; hidden 512, 8 layers: 8 query / 2 KV heads of 64, FFN 1536, vocab 1024, untied,
 ~25M parameters) and a prompts file of ``--prompt-tokens``-token text prompts that both trainers read.
-Then trains, one after the other, on the same model dir, prompts, reward (-completion length) and batch
+Then trains on the same model dir, prompts, reward (-completion length) and batch
 shape: ``--prompts-per-step`` x ``--num-generations`` completions of exactly ``--max-new-tokens`` tokens
 (TRL: ``min_new_tokens``; ours: ``generation.ignore_eos``), fp32, lr, PPO eps, token-mean loss, no KL,
 ``--micro-batch-size`` sequences per micro-batch, one optimizer step per batch:
@@ -23,10 +24,11 @@ wait idle), so each sees the same background load of a shared machine (``--seque
 other). A step's seconds: wall clock from its start to its end, TRL from ``on_step_begin`` to
 ``on_step_end`` (generation, forward-backward, optimizer), ours from the rollout request to its metrics
 logged (generation, train, weight push, parity probe, metrics); steps ``warmup+1 .. warmup+steps``. Prints
-the median and the mean, tokens per step (prompt + completion, from each trainer's own counts) and
-ours / TRL, then the phases (ours: ``timing/*`` of metrics.jsonl; TRL: its ``generate`` and ``rollout``,
-generate + rewards + advantages). ``--threads 1``: one OpenMP thread per
-process (vLLM's unbound), for a loaded machine where 2 threads per process stall on each other.
+the median and the mean, tokens per step (prompt + completion: TRL's own ``num_tokens``; ours: sequences x
+(prompt tokens + its mean completion length, checked to be ``--max-new-tokens``)) and ours / TRL, then the
+phases (ours: ``timing/*`` of metrics.jsonl; TRL: its ``generate`` and ``rollout``, generate + rewards +
+advantages). ``--threads 1``: one OpenMP thread per process (vLLM's unbound), for a loaded machine where 2
+threads per process stall on each other.
 """
 
 from __future__ import annotations
@@ -313,7 +315,7 @@ def collect_ours(args, folder: str) -> tuple:
     lengths = {r["completion/length_mean"] for r in rows}
     if lengths != {float(args.max_new_tokens)}:
         raise RuntimeError(f"{folder}: completion lengths {sorted(lengths)} != {args.max_new_tokens}")
-    tokens = args.prompts_per_step * args.num_generations * (args.prompt_tokens + args.max_new_tokens)
+    tokens = args.prompts_per_step * args.num_generations * (args.prompt_tokens + lengths.pop())
     phases = {k: statistics.fmean(r.get(k) or 0.0 for r in rows) for k in rows[0] if k.startswith("timing/")}
     return summary(step_seconds(json.load(open(os.path.join(folder, "step_times.json"))), args.warmup), tokens), phases
 

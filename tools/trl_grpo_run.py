@@ -107,7 +107,8 @@ def grpo_config_kwargs(args: argparse.Namespace, output_dir: str) -> dict:
                          f"{args.micro_batch_size}")
     return dict(
         output_dir=output_dir, use_cpu=True, bf16=False, fp16=False, seed=args.seed, max_steps=args.steps,
-        per_device_train_batch_size=args.micro_batch_size, gradient_accumulation_steps=sequences // args.micro_batch_size,
+        per_device_train_batch_size=args.micro_batch_size,
+        gradient_accumulation_steps=sequences // args.micro_batch_size,
         num_generations=args.num_generations, max_completion_length=args.max_new_tokens,
         generation_kwargs={"min_new_tokens": args.max_new_tokens}, temperature=1.0, top_p=1.0, top_k=0,
         learning_rate=args.lr, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, adam_beta1=0.9,
