@@ -65,6 +65,9 @@ def test_wrong_type_and_bad_values_name_the_key():
         PrecisionConfig(params_dtype="bfloat16", compute_dtype="float32")
     with pytest.raises(ValueError, match="override 'grpo.seed' is not key=value"):
         load_recipe(RECIPES[0], ["grpo.seed"])
+    with pytest.raises(ValueError, match="generation.ignore_eos: expected bool"):
+        load_recipe(RECIPES[0], ["generation.ignore_eos=maybe"])
+    assert load_recipe(RECIPES[0], ["generation.ignore_eos=true"]).generation.ignore_eos
 
 
 @pytest.mark.parametrize("key, precision", [

@@ -67,6 +67,11 @@ def test_fp32_logprobs_equal_the_trainers_and_stops_are_honoured(dense):
     assert cut.finish_reason == "stop"
     assert cut.completion_ids == row.completion_ids[: row.completion_ids.index(stop) + 1]
     assert all((r.finish_reason == "stop") == (r.completion_ids[-1] in {stop} | engine.eos_ids) for r in stopped)
+    # ignore_eos: neither the stop token nor EOS ends a row; the rows are the unstopped ones
+    forced = engine.generate(PROMPTS, 4, Sampling(max_tokens=12, temperature=0.7, seed=11, stop_token_ids=(stop,),
+                                                  ignore_eos=True))
+    assert all(len(r.completion_ids) == 12 and r.finish_reason == "length" for r in forced)
+    assert forced.items[5].completion_ids == row.completion_ids
 
 
 def test_same_seeds_same_completions_whatever_the_batch(dense):

@@ -41,8 +41,14 @@ def test_generate_n_completions_with_logprobs_matching_transformers(dtype, tiny_
         prompts = [[5, 6, 7, 8], [9, 10, 11]]
         rollouts = engine.generate(prompts, 3, Sampling(max_tokens=12, temperature=0.8, seed=3))
         again = engine.generate(prompts, 3, Sampling(max_tokens=12, temperature=0.8, seed=3))
+        stop = rollouts.items[0].completion_ids[0]  # ignore_eos: neither EOS nor a stop token ends a row
+        forced = engine.generate(prompts, 3, Sampling(max_tokens=12, temperature=0.8, seed=3, stop_token_ids=(stop,),
+                                                      ignore_eos=True))
     finally:
         engine.close()
+    assert all(len(r.completion_ids) == 12 and r.finish_reason == "length" for r in forced)
+    assert [f.completion_ids[: len(r.completion_ids)] for f, r in zip(forced, rollouts)] == \
+        [r.completion_ids for r in rollouts]
     assert len(rollouts) == 6
     assert [r.prompt_index for r in rollouts] == [0, 0, 0, 1, 1, 1]
     assert all(len(r.completion_ids) == len(r.logprobs) > 0 and r.policy_version == 0 for r in rollouts)

@@ -110,13 +110,19 @@ def default_model_dir(arch: str = "qwen3") -> str:
     return path
 
 
-def make_sized_model(hidden: Optional[int] = None, layers: Optional[int] = None, prefix: str = "bench-") -> str:
-    """A tiny dense Qwen3 in a new temporary folder, ``hidden`` wide (head_dim 64, FFN 3x) and ``layers`` deep
-    where given (the benchmarks' ``--hidden`` / ``--layers``)."""
+def sized_overrides(hidden: Optional[int] = None, layers: Optional[int] = None) -> Dict:
+    """``make_tiny_model`` overrides of a dense Qwen3 ``hidden`` wide (head_dim 64: hidden / 64 query heads,
+    hidden / 256 KV heads, FFN 3x) and ``layers`` deep where given; hidden 512, 8 layers is ~25M parameters."""
     overrides: Dict = {}
     if hidden:
         overrides.update(hidden_size=hidden, intermediate_size=3 * hidden, num_attention_heads=hidden // 64,
                          num_key_value_heads=max(1, hidden // 256), head_dim=64)
     if layers:
         overrides["num_hidden_layers"] = layers
-    return make_tiny_model(tempfile.mkdtemp(prefix=prefix), "qwen3", overrides=overrides or None)
+    return overrides
+
+
+def make_sized_model(hidden: Optional[int] = None, layers: Optional[int] = None, prefix: str = "bench-") -> str:
+    """A tiny dense Qwen3 in a new temporary folder, shaped by ``sized_overrides`` (the benchmarks'
+    ``--hidden`` / ``--layers``)."""
+    return make_tiny_model(tempfile.mkdtemp(prefix=prefix), "qwen3", overrides=sized_overrides(hidden, layers) or None)

@@ -19,6 +19,9 @@ class Sampling:
     seed: Optional[int] = None
     """Base seed: completion i of prompt p uses seed + p * n + i (deterministic, distinct samples)."""
     stop_token_ids: Tuple[int, ...] = ()
+    ignore_eos: bool = False
+    """Generate exactly ``max_tokens`` tokens: no stop at the model's EOS ids or ``stop_token_ids``
+    (vLLM's ``ignore_eos``; every completion finishes with ``"length"``)."""
 
 
 @dataclass

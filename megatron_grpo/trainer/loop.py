@@ -293,7 +293,8 @@ class GRPOTrainer:
             prompts = self.ctx.sampler.next(self.cfg.grpo.num_prompts_per_step)
             self._planned[step] = (prompts, Sampling(
                 max_tokens=g.max_new_tokens, temperature=g.temperature, top_p=g.top_p, top_k=g.top_k,
-                seed=self.cfg.grpo.seed * 1_000_003 + step * 10_007, stop_token_ids=(self.ctx.eos_id,)))
+                seed=self.cfg.grpo.seed * 1_000_003 + step * 10_007, stop_token_ids=(self.ctx.eos_id,),
+                ignore_eos=g.ignore_eos))
         prompts, sampling = self._planned[step]
         return self.ctx.engine.submit_generate(prompts, self.cfg.grpo.num_generations_per_prompt, sampling)
 

@@ -26,7 +26,8 @@ Contract (that of ``rollout/types.py``, as the vLLM engine):
   logits of the same weights in the same dtype; the two differ only by kernel round-off
   (``decode_gap_max`` on the tiny model: fp32 <= 2 ulp, 1e-6; bf16 3e-3, the usual bf16 spread).
 - stops: ``stop_token_ids`` and the model's ``eos_token_id`` (included in the completion,
-  ``finish_reason="stop"``); ``max_tokens`` or ``max_model_len`` give ``"length"``.
+  ``finish_reason="stop"``); ``max_tokens`` or ``max_model_len`` give ``"length"``; with
+  ``ignore_eos`` nothing stops a completion before ``max_tokens``.
 - top-p / top-k: not supported (``ValueError``): the trainer does not truncate.
 
 Parallelism: the model is sharded over TP (and EP), so every rank holds this engine and calls
@@ -169,7 +170,7 @@ class MegatronEngine(RolloutEngine):
         """KV-cached sampling of ``rows`` (one prompt length) until each stops; fills their tokens."""
         prompt_len = len(rows[0].prompt)
         budget = min(sampling.max_tokens, self.max_model_len - prompt_len)
-        stops = set(sampling.stop_token_ids) | self.eos_ids
+        stops = set() if sampling.ignore_eos else set(sampling.stop_token_ids) | self.eos_ids
         if budget <= 0:
             for row in rows:
                 row.finish_reason = "length"

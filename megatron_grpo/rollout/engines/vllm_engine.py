@@ -108,7 +108,7 @@ class VLLMEngine(RolloutEngine):
         """Starts generation without waiting (the generator works while the trainer trains)."""
         payload = dict(prompts=[list(p) for p in prompt_token_ids], n=n, temperature=sampling.temperature,
                        top_p=sampling.top_p, top_k=sampling.top_k, max_tokens=sampling.max_tokens, seed=sampling.seed,
-                       stop_token_ids=tuple(sampling.stop_token_ids))
+                       stop_token_ids=tuple(sampling.stop_token_ids), ignore_eos=sampling.ignore_eos)
         return (self._submit("generate", payload), [list(p) for p in prompt_token_ids], n, self.policy_version)
 
     def collect(self, handle) -> Rollouts:

@@ -207,7 +207,8 @@ class VLLMServerEngine(RolloutEngine):
         def one_sample(j: int):
             body = dict(model=self.model_dir, prompt=[list(p) for p in prompt_token_ids], max_tokens=sampling.max_tokens,
                         temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k, logprobs=0,
-                        return_token_ids=True, stop_token_ids=list(sampling.stop_token_ids) or None,
+                        return_token_ids=True, ignore_eos=sampling.ignore_eos,
+                        stop_token_ids=None if sampling.ignore_eos else list(sampling.stop_token_ids) or None,
                         seed=None if sampling.seed is None else sampling.seed + j)
             return self._post("/v1/completions", body)["choices"]
 

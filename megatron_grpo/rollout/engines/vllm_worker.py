@@ -147,15 +147,15 @@ def _generate(llm, payload, requests):
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    prompts, params = [], []
+    prompts, params, ignore_eos = [], [], bool(payload.get("ignore_eos", False))
     for index, ids in enumerate(payload["prompts"]):
         for i in range(payload["n"]):
             seed = None if payload["seed"] is None else payload["seed"] + index * payload["n"] + i
             prompts.append(TokensPrompt(prompt_token_ids=list(ids)))
             params.append(SamplingParams(
                 n=1, temperature=payload["temperature"], top_p=payload["top_p"], top_k=payload["top_k"],
-                max_tokens=payload["max_tokens"], logprobs=0, seed=seed,
-                stop_token_ids=list(payload["stop_token_ids"]) or None,
+                max_tokens=payload["max_tokens"], logprobs=0, seed=seed, ignore_eos=ignore_eos,
+                stop_token_ids=None if ignore_eos else list(payload["stop_token_ids"]) or None,
             ))
     outputs = llm.generate(prompts, params, use_tqdm=False)
     results = []
