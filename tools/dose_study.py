@@ -250,6 +250,21 @@ def _arm_table(stats: Dict[str, List[Dict]]) -> List[str]:
     return md_table(head, rows)
 
 
+def headline(out: str, stats: Dict[str, List[Dict]], gate_ok: Dict[str, bool]) -> str:
+    """One sentence worded by the rules: whether the write-up's dose was reached, then H1 and H2's words."""
+    words = {h.split(":")[0]: w for h, w, _ in verdicts(stats, gate_ok)}
+    reached = [arm for arm, ok in gate_ok.items() if ok]
+    zero = {arm: experiments.mean_key(read_rows(os.path.join(out, "gates", arm, "seed0")),
+                                      "clip/phantom_zero_grad_fraction", 1, PROBE_STEPS) for arm in gate_ok}
+    dose = ", ".join(f"{arm} {v:.1%}" for arm, v in zero.items())
+    where = (f"the gates passed for {', '.join(reached)}" if reached else
+             f"no arm reached the write-up's dose (phantom zero-grad at steps 1-3: {dose}; the gate asks >= "
+             f"{PHANTOM_ZERO_MIN:.0%}), so every comparison is flagged as outside the write-up's regime")
+    return (f"**Headline** (worded by the pre-registered rules): {where}. H1 (G - B final reward): {words['H1']}; "
+            f"H2 (deployed improvement B / G): {words['H2']}; complete runs: "
+            f"{sum(len(v) for v in stats.values())} of {len(ARMS) * len(SEEDS)}.")
+
+
 def write_page(out: str, doc: Optional[str] = None) -> str:
     """Writes ``doc`` (default ``OUT/dose.md``) from ``OUT/dose.json`` and the runs' metrics."""
     state, doc = load_state(out), doc or os.path.join(out, "dose.md")
@@ -259,7 +274,7 @@ def write_page(out: str, doc: Optional[str] = None) -> str:
              f"Pre-registration: [{os.path.basename(PREREG)}]({os.path.basename(PREREG)}). Command: "
              f"`python tools/dose_study.py --out {os.path.relpath(out, ROOT)}`; recipe `{RECIPE}` with "
              f"`{' '.join(_BASE)}`; every number is read from the runs' metrics.jsonl (raw files: `dose/`).", "",
-             "## Calibration", ""] + _calibration_lines(state) + ["", "## Gates (steps 1-3, seed 0)", ""]
+             headline(out, stats, gate_ok), "", "## Calibration", ""] + _calibration_lines(state) + ["", "## Gates (steps 1-3, seed 0)", ""]
     for arm, g in state.get("gates", {}).items():
         lines += [f"**{arm}**", ""] + md_table(["gate", "result", "measured"],
                                                [[n, "pass" if ok else "**FAIL**", m] for n, ok, m in g]) + [""]
