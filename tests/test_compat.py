@@ -65,7 +65,9 @@ def test_gpt_model_builds_and_keeps_its_kv_cache_per_layer(tiny_dense, megatron_
     assert key.shape[:2] == (8, 3) and value.shape[:2] == (8, 3)  # [max seq, batch, heads, dim]
     mc.keep_kv_rows(context, [0, 2])
     assert all(k.shape[1] == 2 and v.shape[1] == 2 for k, v in layers.values())
-    assert torch.equal(layers[1][0], key[:, [0, 2]])
+    # only the 5 positions written are compared: the cache is allocated with torch.empty, so the rest is
+    # whatever memory held (NaN != NaN made this flaky on lane 2)
+    assert torch.equal(layers[1][0][:5], key[:5, [0, 2]]) and torch.equal(layers[1][1][:5], value[:5, [0, 2]])
 
 
 def test_distributed_optimizer_ranges_cover_every_param_once(tiny_dense, megatron_single):
