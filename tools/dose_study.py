@@ -214,15 +214,11 @@ def verdicts(stats: Dict[str, List[Dict]], gate_ok: Dict[str, bool]) -> List[Tup
 # ----------------------------------------------------------------------------- the page
 
 def load_state(out: str) -> Dict:
-    path = os.path.join(out, "dose.json")
-    return json.load(open(path)) if os.path.isfile(path) else {}
+    return experiments.load_state(os.path.join(out, "dose.json"))
 
 
 def save_state(out: str, **update) -> Dict:
-    state = {**load_state(out), **update}
-    with open(os.path.join(out, "dose.json"), "w") as f:
-        json.dump(state, f, indent=2)
-    return state
+    return experiments.save_state(os.path.join(out, "dose.json"), **update)
 
 
 def _calibration_lines(state: Dict) -> List[str]:

@@ -269,15 +269,11 @@ def export_metrics(out: str, dest: str) -> List[str]:
 # ----------------------------------------------------------------------------- the page
 
 def load_state(out: str) -> Dict:
-    path = os.path.join(out, "regime.json")
-    return json.load(open(path)) if os.path.isfile(path) else {}
+    return experiments.load_state(os.path.join(out, "regime.json"))
 
 
 def save_state(out: str, **update) -> Dict:
-    state = {**load_state(out), **update}
-    with open(os.path.join(out, "regime.json"), "w") as f:
-        json.dump(state, f, indent=2)
-    return state
+    return experiments.save_state(os.path.join(out, "regime.json"), **update)
 
 
 def _eps_section(state: Dict) -> List[str]:

@@ -106,6 +106,20 @@ def ensure_pretrained_model(root: str, model_dir: str = WRITEUP_MODEL_DIR,
 # ---- reading ------------------------------------------------------------------------------------------
 
 
+def load_state(path: str) -> Dict:
+    """A study's JSON state file (``{}`` before its first stage)."""
+    return json.load(open(path)) if os.path.isfile(path) else {}
+
+
+def save_state(path: str, **update) -> Dict:
+    """Merges ``update`` into the JSON state file at ``path``; returns the new state."""
+    state = {**load_state(path), **update}
+    with open(path, "w") as f:
+        json.dump(state, f, indent=2)
+    return state
+
+
+
 def read_rows(log_dir: str) -> List[dict]:
     """The metrics rows of one run folder ([] if it has none yet)."""
     path = os.path.join(log_dir, "metrics.jsonl")
