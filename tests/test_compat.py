@@ -290,11 +290,11 @@ def test_pack_and_unpack_round_trip():
     from megatron_grpo.compat import vllm as vc
 
     bucket = [("a", torch.arange(6, dtype=torch.float32).view(2, 3)), ("b", torch.tensor([1, 2], dtype=torch.int64)),
-              ("c", torch.ones(3, dtype=torch.bfloat16))]
+              ("c", torch.ones(3, dtype=torch.bfloat16)), ("d", torch.tensor([7, -8], dtype=torch.int32))]
     names, dtypes, shapes, sizes, buffer = vc.pack_tensors(bucket)
-    assert names == ["a", "b", "c"] and buffer.dtype == torch.uint8 and buffer.dim() == 1
+    assert names == ["a", "b", "c", "d"] and buffer.dtype == torch.uint8 and buffer.dim() == 1
     for (name, t), (got_name, got) in zip(bucket, vc.unpack_tensors(buffer, names, shapes, dtypes, sizes)):
-        assert got_name == name and got.dtype == t.dtype and torch.equal(got, t)
+        assert got_name == name and got.dtype == t.dtype and torch.equal(got, t)  # "d" sits at an odd offset (38)
 
 
 @vllm_only

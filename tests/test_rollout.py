@@ -184,7 +184,7 @@ def _delta_worker(model_dir, transport):
 
 
 @pytest.mark.vllm
-@pytest.mark.parametrize("transport", ["file"])
+@pytest.mark.parametrize("transport", ["file", "gloo"])
 def test_delta_push_leaves_the_engine_bit_identical_to_a_dense_push(transport, tiny_dense):
     r = run_distributed(_delta_worker, 1, tiny_dense, transport)[0]
     fulls = [full for full, *_ in r["reports"]]

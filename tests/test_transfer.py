@@ -29,9 +29,9 @@ def _buckets(stage: int, dtype=torch.float32):
             for k in range(2)]
 
 
-def _run_group(num_senders, sender_fn, num_receivers=1):
+def _run_group(num_senders, sender_fn, num_receivers=1, load=None):
     """Senders 0..S-1 and receivers S.. of one gloo transfer group, as threads; returns each receiver's
-    (loaded tensors, error) and each sender's error."""
+    (loaded tensors, error) and each sender's error. ``load(loaded, bucket)``: the receivers' loader."""
     pytest.importorskip("vllm")
     from megatron_grpo.rollout.transfer import gloo_transfer as gt
 
@@ -42,7 +42,7 @@ def _run_group(num_senders, sender_fn, num_receivers=1):
         pg = gt.open_group("127.0.0.1", endpoint.master_port, num_senders + k, endpoint.world_size, 60)
         loaded = []
         try:
-            gt.receive_all(pg, num_senders, loaded.extend)
+            gt.receive_all(pg, num_senders, loaded.extend if load is None else lambda b: load(loaded, b))
             out[("recv", k)] = (loaded, None)
         except Exception as exc:  # noqa: BLE001
             out[("recv", k)] = (loaded, exc)
@@ -91,6 +91,30 @@ def test_two_pipeline_stage_senders_feed_one_receiver_and_an_abort_names_the_sen
     assert isinstance(err, RuntimeError) and "aborted by sender 1" in str(err) and "gather failed" in str(err)
     assert {n for n, _ in loaded} <= {n for s in range(2) for b in _buckets(s) for n, _ in b}  # none after the abort
     assert out[("send", 0)] is None and "gather failed" in str(out[("send", 1)])  # stage 0 finished: drained
+
+
+def test_unaligned_patch_entries_arrive_exact_and_a_failing_load_never_blocks_the_sender():
+    """A delta patch packs int32 indices after an odd count of bf16 values (vLLM's packer does not align):
+    they arrive bit for bit. A receiver whose load fails keeps draining: the sender finishes every bucket
+    (before, the error escaped the receive loop and the sender blocked in send for good) and the error
+    names the bucket."""
+    patch = [("w::delta_value", torch.randn(3).bfloat16()), ("w::delta_index", torch.tensor([2, 9, 31], dtype=torch.int32)),
+             ("w::delta_sha256", torch.arange(32, dtype=torch.uint8)), ("v", torch.randn(2, 3, dtype=torch.float64))]
+    out = _run_group(1, lambda snd, s: snd.send_buckets([patch]))
+    loaded, err = out[("recv", 0)]
+    assert err is None and out[("send", 0)] is None
+    assert all(got.dtype == t.dtype and torch.equal(got, t) for (_, t), (_, got) in zip(patch, loaded))
+
+    def refuse_layer_0(loaded, bucket):
+        if "layers.0" in bucket[0][0]:
+            raise KeyError("no such parameter")
+        loaded.extend(bucket)
+
+    out = _run_group(1, lambda snd, s: snd.send_buckets(_buckets(0) * 3), load=refuse_layer_0)
+    loaded, err = out[("recv", 0)]
+    assert out[("send", 0)] is None  # every bucket went out: the receiver drained them
+    assert isinstance(err, RuntimeError) and "model.layers.0.mlp.down_proj.weight" in str(err) and "KeyError" in str(err)
+    assert loaded == []  # nothing loads after the first failure
 
 
 class _RecordingGroup:

@@ -37,11 +37,16 @@ def pack_tensors(named_tensors: List[Tuple[str, object]]):
 
 
 def unpack_tensors(buffer, names, shapes, dtypes, sizes) -> List[Tuple[str, object]]:
-    """The ``(name, tensor)`` views of a ``pack_tensors`` buffer. 0.32-0.34:
-    ``packed_tensor.unpack_tensor(packed, names, shapes, dtypes, tensor_sizes)``."""
-    from vllm.distributed.weight_transfer.packed_tensor import unpack_tensor
-
-    return unpack_tensor(buffer, names, shapes, dtypes, sizes)
+    """The ``(name, tensor)`` pairs of a ``pack_tensors`` buffer, as views where they can be.
+    vLLM's packer (0.32-0.34) does not align its pieces, and its ``unpack_tensor`` views every piece
+    in place, which raises for a piece whose byte offset is not a multiple of its element size (a
+    delta patch's int32 indices after an odd count of bf16 values, measured); such pieces are copied."""
+    out = []
+    for name, shape, dtype, piece in zip(names, shapes, dtypes, buffer.split(list(sizes))):
+        if piece.storage_offset() % dtype.itemsize:
+            piece = piece.clone()
+        out.append((name, piece.view(dtype).view(shape)))
+    return out
 
 
 def begin_layerwise_reload(model) -> None:

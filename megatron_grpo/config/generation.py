@@ -79,7 +79,7 @@ class GenerationConfig:
     host copy of the last full tensors, patches it and reloads full tensors, so the engine's weights are
     bit-identical to a dense push's. Full pushes: the first, after an engine restart, every
     ``delta_full_every`` pushes, and per tensor whenever its patch would be at least the dense bytes.
-    Transport ``file`` only (``auto`` resolved to an API transport pushes full weights, with a warning);
+    Transports ``file`` and ``gloo`` (``auto`` resolved to nccl / ipc pushes full weights, with a warning);
     pipeline-parallel layouts push full weights. Pays off at small learning rates (bf16 at lr 1e-6: ~0.1x the bytes)."""
     delta_full_every: int = 20
     """With ``delta_push``: a full push every this many pushes (0 = only the first and after a restart)."""
@@ -144,10 +144,10 @@ class GenerationConfig:
         if self.backend == "megatron" and t != "auto":
             raise ValueError(f"generation.weight_transfer={t} with generation.backend=megatron: that engine is the "
                              "trainer's own model, no weights are pushed; leave it auto")
-        if self.delta_push and (self.backend == "megatron" or t in ("gloo", "nccl", "ipc")):
-            raise ValueError(f"generation.delta_push needs generation.weight_transfer file (its worker extension "
-                             f"applies the patches), got backend={self.backend}, weight_transfer={t}; set "
-                             "generation.delta_push=false")
+        if self.delta_push and (self.backend == "megatron" or t in ("nccl", "ipc")):
+            raise ValueError(f"generation.delta_push needs generation.weight_transfer file or gloo (their receivers "
+                             f"apply the patches; vLLM's nccl and ipc engines do not), got backend={self.backend}, "
+                             f"weight_transfer={t}; set generation.delta_push=false")
         if t == "ipc" and not self.colocated:
             raise ValueError("generation.weight_transfer=ipc shares GPU memory, so the engines must be colocated: set "
                              "generation.colocated=true, or use nccl for dedicated engines")

@@ -20,7 +20,7 @@ import torch.multiprocessing as mp
 
 from megatron_grpo.rollout.engines import vllm_worker
 from megatron_grpo.rollout.transfer.fanout import UNKNOWN_VERSION, fan_out
-from megatron_grpo.rollout.transfer.transport import VLLMTransfer, digesting
+from megatron_grpo.rollout.transfer.transport import DELTA_TRANSPORTS, VLLMTransfer, digesting
 from megatron_grpo.rollout.types import GeneratorError, Rollout, RolloutEngine, Rollouts, Sampling
 
 logger = logging.getLogger(__name__)
@@ -144,8 +144,8 @@ class VLLMEngine(RolloutEngine):
     @property
     def accepts_delta_push(self) -> bool:
         """Whether pushes may carry delta patches (``delta.py``): the file transport's worker extension
-        applies them; the weight-transfer API's engines (gloo, nccl, ipc) do not yet."""
-        return self.weight_transfer == "file"
+        and our gloo engine apply them; vLLM's nccl and ipc engines do not."""
+        return self.weight_transfer in DELTA_TRANSPORTS
 
     def weight_version(self) -> Optional[str]:
         """The engine's committed weights version (``LLM.get_weight_version``)."""

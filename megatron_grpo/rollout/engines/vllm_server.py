@@ -37,7 +37,7 @@ import torch
 from megatron_grpo.compat.vllm import json_safe_update_payload
 from megatron_grpo.rollout.engines.vllm_engine import DTYPE_NAMES
 from megatron_grpo.rollout.transfer.fanout import UNKNOWN_VERSION, fan_out
-from megatron_grpo.rollout.transfer.transport import VLLMTransfer, default_address, digesting
+from megatron_grpo.rollout.transfer.transport import DELTA_TRANSPORTS, VLLMTransfer, default_address, digesting
 from megatron_grpo.rollout.types import GeneratorError, Rollout, RolloutEngine, Rollouts, Sampling
 
 logger = logging.getLogger(__name__)
@@ -309,8 +309,8 @@ class VLLMServerEngine(RolloutEngine):
     @property
     def accepts_delta_push(self) -> bool:
         """Whether pushes may carry delta patches (``delta.py``): the file transport's worker extension
-        applies them; the weight-transfer API's engines (gloo, nccl, ipc) do not yet."""
-        return self.weight_transfer == "file"
+        and our gloo engine apply them; vLLM's nccl and ipc engines do not."""
+        return self.weight_transfer in DELTA_TRANSPORTS
 
     def describe(self) -> str:
         return f"vllm_server {self.url}"

@@ -14,9 +14,11 @@ Wire format: a patch of tensor ``N`` is the bucket entries ``N::delta_index`` (i
 ``N::delta_sha256`` (32 uint8: the sha256 of the full tensor's bytes, so ``transport.digesting``
 records the same digest a dense push would). Every bucket of a delta push carries ``DELTA_MARK``.
 Any transport that carries (name, tensor) buckets can carry this; the file transport's worker
-extension (``server_ext.py``) applies it (the weight-transfer API's engines do not yet).
+extension (``server_ext.py``) and the gloo weight-transfer engine (``gloo_engine.py``) apply it.
+vLLM's own nccl and ipc engines do not: they load what arrives as it is, and the nccl trainer side
+declares every tensor's shape before the round (a patch's shape changes every push).
 
-Engine side (``DeltaReceiver``, one per vLLM worker): a host copy of the last full tensors of every
+Engine side (``DeltaReceiver``, one per vLLM worker and transport): a host copy of the last full tensors of every
 pushed name; a patch is applied to that copy and the full tensor goes through vLLM's layerwise
 reload exactly as a dense push would (so the engine's weights are bit-identical to a dense push's).
 vLLM 0.32 also ships a sparse path (``load_checkpoint_weight_patches``, used by its

@@ -7,7 +7,9 @@ here at the top costs nothing elsewhere.
 - ``GlooWeightTransferEngine`` (in each vLLM worker): joins the group after the senders, receives
   every sender's buckets at once and loads them with vLLM's layerwise reload, as vLLM's nccl engine
   does (``initialize_layerwise_reload`` / ``model.load_weights`` / ``finalize_layerwise_reload``),
-  then re-packs CPU fused-MoE experts.
+  then re-packs CPU fused-MoE experts. Delta pushes (``generation.delta_push``) arrive as patches:
+  its ``DeltaReceiver`` turns them into full tensors before they load, as the file transport's
+  worker extension does, so the loaded weights are a dense push's bit for bit.
 - ``GlooTrainerWeightTransferEngine`` (trainer side, vLLM's ``TrainerWeightTransferEngine``
   interface over ``gloo_transfer.GlooSender``).
 """
@@ -28,6 +30,7 @@ from vllm.distributed.weight_transfer.base import (
 
 from megatron_grpo.compat.vllm import begin_layerwise_reload, finish_layerwise_reload
 from megatron_grpo.rollout.engines.vllm_worker import repack_moe
+from megatron_grpo.rollout.transfer.delta import DeltaReceiver
 from megatron_grpo.rollout.transfer.gloo_transfer import (
     BACKEND,
     Bucket,
@@ -69,9 +72,12 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
     def __init__(self, config, vllm_config, device, model):
         super().__init__(config, vllm_config, device, model)
         self.pg, self.num_senders, self.num_loaded = None, 0, 0
+        self.delta = DeltaReceiver()
+        """Host copies of the last full tensors while pushes are delta pushes (``delta.py``)."""
 
     def init_transfer_engine(self, init_info: GlooInitInfo) -> None:
         self.shutdown()  # a trainer that reconnects (after a failed push, or restarted) gets a new group
+        self.delta = DeltaReceiver()  # and pushes a full version first: a patch now would name its base
         pc = self.parallel_config
         rank = init_info.num_senders + pc.data_parallel_index * pc.world_size + pc.rank
         self.num_senders = init_info.num_senders
@@ -89,7 +95,14 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
     def receive_weights(self, update_info: GlooUpdateInfo) -> None:
         if self.pg is None:
             raise RuntimeError("gloo weight transfer not initialised: call init_weight_transfer_engine first")
-        self.num_loaded = receive_all(self.pg, self.num_senders, self.model.load_weights)
+        try:
+            self.num_loaded = receive_all(self.pg, self.num_senders, self._load)
+        except BaseException:
+            self.delta = DeltaReceiver()  # a half-applied push is no base for the next patch
+            raise
+
+    def _load(self, bucket: Bucket) -> None:
+        self.model.load_weights(self.delta.apply(bucket))
 
     def finish_weight_update(self) -> None:
         finish_layerwise_reload(self.model, self.model_config)

@@ -246,12 +246,13 @@ def receive_all(pg, num_senders: int, load) -> int:
     while open_senders:
         kind, meta, payload = arrived.get()
         if kind == BUCKET and failure is None:
-            bucket = unpack_bucket(meta, payload)
-            try:
+            try:  # an error here must not stop the receiving: a sender blocked in send would wait forever
+                bucket = unpack_bucket(meta, payload)
                 load(bucket)
+                num_loaded += len(bucket)
             except Exception as exc:  # noqa: BLE001 - keep receiving (the senders must finish), then raise
-                failure = f"loading a bucket ({bucket[0][0]} ...) failed: {type(exc).__name__}: {exc}"
-            num_loaded += len(bucket)
+                first = json.loads(meta).get("names", ["?"])[0] if meta else "?"
+                failure = f"loading a bucket ({first} ...) failed: {type(exc).__name__}: {exc}"
         elif kind != BUCKET:
             open_senders -= 1
             if kind == ABORT and failure is None:

@@ -31,6 +31,8 @@ from megatron_grpo.rollout.transfer import delta, gloo_transfer
 from megatron_grpo.rollout.transfer.gloo_transfer import TransferEndpoint
 
 API_TRANSPORTS = ("gloo", "nccl", "ipc")
+DELTA_TRANSPORTS = ("file", "gloo")
+"""Transports whose receiving side applies delta patches (``delta.py``); the others get full pushes."""
 Bucket = List[Tuple[str, torch.Tensor]]
 
 

@@ -263,7 +263,7 @@ def push_weights(model, shape, engine, version: int, *, dtype: torch.dtype, buck
 
     Every rank must call this (the TP/EP gathers are collective). ``delta`` (every rank's own): a
     delta push (``delta.py``) when due; pipeline-parallel layouts and engines that cannot apply patches
-    (``accepts_delta_push`` false: the weight-transfer API engines) get full pushes.
+    (``accepts_delta_push`` false: vLLM's nccl and ipc engines) get full pushes.
     """
     report = PushReport(version=version)
     started = time.perf_counter()
@@ -276,7 +276,7 @@ def push_weights(model, shape, engine, version: int, *, dtype: torch.dtype, buck
         report.full = delta.start()
         if engine is not None and not patches and not report.full:
             _warn_once(f"generation.delta_push: {getattr(engine, 'describe', lambda: 'the engine')()} cannot apply "
-                       "patches (only the file transport can); pushing full weights")
+                       "patches (the file and gloo transports can; vLLM's nccl and ipc engines cannot); pushing full weights")
     buckets = hf_buckets(model, shape, dtype, int(bucket_mb * 2**20), report, transform, delta=delta,
                          patches=patches)
     try:
