@@ -148,10 +148,14 @@ def test_tp2_and_dp2_ranks_match_the_single_process(dense):
 
 
 def test_tiny_recipe_learns_with_megatron_backend(tmp_path, tiny_dense):
+    """12 steps with packed sequences (several per 96-token row): the generator scores its rollouts in the
+    step's own packed layout, so its log-probs are the trainer's bit for bit (scored padded, they differed
+    by RoPE round-off: alpha 1.2e-7, parity 4.8e-7)."""
     steps = 12  # ~2 s each on 2 shared cores; seeded, the mean length falls 15.9 -> 13.2 (first vs last 3)
     cmd = [sys.executable, "-m", "megatron_grpo", "train", RECIPE, f"policy.model_name={tiny_dense}",
            f"grpo.max_num_steps={steps}", f"logger.log_dir={tmp_path}", "logger.progress_bar=false",
-           "logger.tensorboard=false", "grpo.deployed_improvement=false"]
+           "logger.tensorboard=false", "grpo.deployed_improvement=false", "policy.sequence_packing.enabled=true",
+           "policy.sequence_packing.train_mb_tokens=96"]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
     env["OMP_NUM_THREADS"] = "1"  # 2 shared cores: one thread is faster than two contending ones
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
@@ -164,4 +168,5 @@ def test_tiny_recipe_learns_with_megatron_backend(tmp_path, tiny_dense):
     for r in rows:
         assert r["precision/beta_abs_mean"] == 0.0 and r["precision/beta_abs_max"] == 0.0
         assert r["sync/logprob_abs_diff_max"] == 0.0 and r["policy/kl_rollout"] == 0.0
+        assert r["precision/alpha_abs_mean"] == 0.0 and r["compat/rollout_corr/kl"] == 0.0
         assert r["sync/push_s"] == 0.0 and r["rollout/policy_version_lag"] == 0.0

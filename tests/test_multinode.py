@@ -128,9 +128,12 @@ def two_hosts():
 
 @pytest.fixture(scope="module")
 def megatron_runs(two_hosts, tiny_dense, tmp_path_factory):
-    """DP=2 with the megatron generator: one host for STEPS steps; two nodes for STEPS - 1 steps with a
-    checkpoint, then a second launch on both nodes resuming it to STEPS."""
-    common = _common(tiny_dense) + ["generation.backend=megatron", f"grpo.max_num_steps={STEPS}"]
+    """DP=2 with the megatron generator and token-budget micro-batches (sequences balanced over the DP
+    ranks by tokens): one host for STEPS steps; two nodes for STEPS - 1 steps with a checkpoint, then a
+    second launch on both nodes resuming it to STEPS."""
+    common = _common(tiny_dense) + ["generation.backend=megatron", f"grpo.max_num_steps={STEPS}",
+                                    "policy.dynamic_batching.enabled=true",
+                                    "policy.dynamic_batching.max_tokens_per_microbatch=96"]
     code, out, reference = one_host(common, str(tmp_path_factory.mktemp("one-host")))
     assert code == 0, out[-4000:]
     log_dir, ckpt = str(tmp_path_factory.mktemp("two-nodes")), str(tmp_path_factory.mktemp("ckpt"))
@@ -146,6 +149,8 @@ def test_two_nodes_train_save_and_resume_equal_one_host(two_hosts, megatron_runs
     assert [r["step"] for r in rows] == list(range(1, STEPS))
     assert resumed_codes == [0, 0], "\n".join(o[-3000:] for o in resumed_outs)
     assert_rows_equal(resumed_rows, reference)  # 1 .. STEPS - 1 from the first launch, STEPS after the resume
+    for r in reference + rows + resumed_rows:  # the generator scored in the step's layout: the trainer's log-probs
+        assert r["precision/alpha_abs_mean"] == 0.0 and r["sync/logprob_abs_diff_max"] == 0.0, r["step"]
     for launches, node_outs in enumerate((outs, resumed_outs), start=1):  # each launch appends to node<i>.log
         for out in node_outs:  # every rank freed its process groups before exiting (no abort at exit)
             assert out.count(CLEAN_EXIT) == launches, out[-3000:]

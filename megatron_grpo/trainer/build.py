@@ -115,7 +115,7 @@ def build_context(cfg: Config) -> TrainContext:
                            cfg.grpo.seed, max_model_len=cfg.generation.max_model_len)
     rank = dist.get_rank()
     if cfg.generation.backend == "megatron":  # the trainer's own model: an engine on every rank
-        engine = _build_megatron_engine(cfg, model_dir, model, pad_id=eos_id)
+        engine = _build_megatron_engine(cfg, model_dir, model, pad_id=eos_id, stepper=stepper)
     else:
         engine = _build_engine(cfg, model_dir, shape) if rank == 0 else None
     return TrainContext(
@@ -251,14 +251,16 @@ def engine_env(generation_dtype: str, batch_invariant: bool, cuda: bool) -> Dict
     return env
 
 
-def _build_megatron_engine(cfg: Config, model_dir: str, model, pad_id: int):
+def _build_megatron_engine(cfg: Config, model_dir: str, model, pad_id: int, stepper: TrainStep):
     """``generation.backend: megatron``: this rank's share of a generator that is the trainer's own
-    model (built on every rank: its forwards are collective over TP/EP; no pool, no weight push)."""
+    model (built on every rank: its forwards are collective over TP/EP; no pool, no weight push). With
+    packing or token budgets it scores in the step's layout (``TrainStep.score_layout``)."""
     g, p = cfg.generation, cfg.policy.precision
+    step_layout = cfg.policy.sequence_packing.enabled or cfg.policy.dynamic_batching.enabled
     return ROLLOUT_ENGINES.get("megatron")(
         model_dir, to_dtype(p.generation_dtype), model=model, params_dtype=to_dtype(p.params_dtype),
         max_model_len=g.max_model_len, seed=cfg.grpo.seed, micro_batch_size=cfg.policy.train_micro_batch_size,
-        pad_id=pad_id)
+        pad_id=pad_id, score_layout=stepper.score_layout if step_layout else None, score_group=stepper.dp_group)
 
 
 def _visible_ids() -> List[str]:

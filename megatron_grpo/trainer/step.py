@@ -88,13 +88,19 @@ def build_step_batch(rollouts: Rollouts, advantages: torch.Tensor, dp_rank: int,
         start = prompt_lens[i] - 1
         old[i, start : start + len(r.logprobs)] = torch.tensor(r.logprobs, dtype=torch.float32)
     _check_whole_batch(packed, old, advantages, step)
-    rows = packed.input_ids.shape[0] // dp_size
-    sl = slice(dp_rank * rows, (dp_rank + 1) * rows)
-    if balance_tokens and dp_size > 1:
-        sl = torch.tensor(balanced_ranks([len(s) for s in seqs], dp_size)[dp_rank], dtype=torch.long)
+    sl = step_rows([len(s) for s in seqs], dp_rank, dp_size, balance_tokens)
     routes = generator_routes(rollouts, packed.input_ids.shape[1])
     return StepBatch(packed.rows(sl), old[sl], advantages[sl].double(), packed.mask.sum().double(),
                      packed.mask.any(-1).sum().double(), None if routes is None else routes[sl])
+
+
+def step_rows(lengths: Sequence[int], dp_rank: int, dp_size: int, balance_tokens: bool = False):
+    """This DP rank's sequences of a step (``lengths``: each one's tokens): a contiguous slice, or with
+    ``balance_tokens`` (``policy.dynamic_batching``) the indices ``balanced_ranks`` gives it."""
+    if balance_tokens and dp_size > 1:
+        return torch.tensor(balanced_ranks(lengths, dp_size)[dp_rank], dtype=torch.long)
+    rows = len(lengths) // dp_size
+    return slice(dp_rank * rows, (dp_rank + 1) * rows)
 
 
 def balanced_ranks(lengths: Sequence[int], dp_size: int) -> List[List[int]]:
@@ -170,6 +176,14 @@ class TrainStep:
             local = plan_shapes(groups, needed_lengths(packed.mask), spec, packed.input_ids.shape[1])
             shapes = comm.all_reduce_max(torch.tensor(local, device=device), self.dp_group).tolist()
         return build_plan(packed.input_ids, packed.labels, packed.mask, spec, groups, shapes)
+
+    def score_layout(self, lengths: Sequence[int], packed: PackedBatch):
+        """(this rank's rows, their micro-batches) of a whole step's ``packed`` sequences, exactly as
+        ``build_step_batch`` and ``run`` lay the step out: the megatron generator scores its rollouts
+        with them, so its log-probs are the trainer's bit for bit under packing and token budgets too."""
+        rows = step_rows(lengths, comm.group_rank(self.dp_group), comm.group_size(self.dp_group),
+                         self.cfg.policy.dynamic_batching.enabled)
+        return rows, self.make_plan(packed.rows(rows).to(model_device(self.model)))
 
     def lowp_log_probs(self, packed: PackedBatch, dtype: Optional[torch.dtype] = None,
                        routes: Optional[torch.Tensor] = None, temperature: Optional[float] = None) -> torch.Tensor:

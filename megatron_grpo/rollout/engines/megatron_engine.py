@@ -50,19 +50,31 @@ import json
 import logging
 import os
 from dataclasses import dataclass, field
-from typing import Iterable, List, Optional, Sequence
+from typing import Callable, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 from megatron.core import parallel_state as ps
 
 from megatron_grpo.compat.megatron import keep_kv_rows, static_inference_context
 from megatron_grpo.models import sequence_parallel_disabled
-from megatron_grpo.models.forward import completion_scores, forward_log_probs, model_device, pack, precision_context
+from megatron_grpo.models.forward import (
+    PackedBatch,
+    completion_scores,
+    forward_log_probs,
+    model_device,
+    pack,
+    precision_context,
+)
 from megatron_grpo.parallel import comm
 from megatron_grpo.parallel.logprobs import token_log_probs
 from megatron_grpo.rollout.types import Rollout, RolloutEngine, Rollouts, Sampling
 
 logger = logging.getLogger(__name__)
+
+
+ScoreLayout = Callable[[List[int], PackedBatch], Tuple[object, list]]
+"""(sequence lengths, the whole packed batch) -> (this rank's rows: a slice or an index tensor, their
+micro-batches): ``TrainStep.score_layout``."""
 
 
 @dataclass
@@ -85,9 +97,13 @@ class MegatronEngine(RolloutEngine):
     def __init__(self, model_dir: str, dtype: torch.dtype, *, model, params_dtype: torch.dtype = torch.float32,
                  max_model_len: int = 512, seed: int = 0, micro_batch_size: int = 8, pad_id: int = 0,
                  gpu_memory_utilization: Optional[float] = None, kv_cache_gib: Optional[int] = None,
-                 is_moe: bool = False):
+                 is_moe: bool = False, score_layout: Optional[ScoreLayout] = None, score_group=None):
         """``model``: this rank's trainer model; ``micro_batch_size``: rows per scoring forward (the
-        trainer's); ``gpu_memory_utilization`` / ``kv_cache_gib`` / ``is_moe`` are vLLM's, unused."""
+        trainer's); ``gpu_memory_utilization`` / ``kv_cache_gib`` / ``is_moe`` are vLLM's, unused.
+        ``score_layout`` (the trainer's ``TrainStep.score_layout``, with packing or token budgets): the
+        finished batch is scored in the step's own rows and micro-batches, over ``score_group`` (the
+        trainer's DP group), so its log-probs stay the trainer's bit for bit."""
+        self.score_layout, self.score_group = score_layout, score_group
         self.model, self.dtype, self.params_dtype = model, dtype, params_dtype
         self.max_model_len, self.micro_batch_size, self.pad_id = max_model_len, micro_batch_size, pad_id
         self.eos_ids = _eos_ids(model_dir)
@@ -221,6 +237,8 @@ class MegatronEngine(RolloutEngine):
         the whole batch's width (as the trainer packs a step), by the trainer's forward; gathered."""
         if not seqs:
             return []
+        if self.score_layout is not None:
+            return self._score_as_the_step(seqs, prompt_lens, temperature)
         part = pack(seqs, prompt_lens, self.pad_id).rows(self._shard(len(seqs)))
         scores = []
         if part.input_ids.shape[0]:
@@ -229,6 +247,24 @@ class MegatronEngine(RolloutEngine):
                                    micro_batch_size=self.micro_batch_size)
             scores = completion_scores(lp, part)
         return self._gather(scores)
+
+    def _score_as_the_step(self, seqs: List[List[int]], prompt_lens: List[int], temperature: float):
+        """``_score_rows`` in the step's layout (``score_layout``): this DP rank's rows, packed or
+        token-budgeted as the trainer will compute them, gathered back into batch order."""
+        packed = pack(seqs, prompt_lens, self.pad_id)
+        rows, plan = self.score_layout([len(s) for s in seqs], packed)
+        part = packed.rows(rows)
+        scores = []
+        if plan:
+            lp = forward_log_probs(self.model, part, compute_dtype=self.dtype, params_dtype=self.params_dtype,
+                                   temperature=temperature, tp_group=self.tp_group, plan=plan)
+            scores = completion_scores(lp, part)
+        index = list(range(len(seqs)))[rows] if isinstance(rows, slice) else rows.tolist()
+        out: List[Optional[List[float]]] = [None] * len(seqs)
+        for idx, part_scores in comm.all_gather_object((index, scores), self.score_group):
+            for i, row in zip(idx, part_scores):
+                out[i] = row
+        return out
 
     def _shard(self, total: int) -> slice:
         """This DP rank's contiguous slice of ``total`` rows (all of them without DP sharding)."""
