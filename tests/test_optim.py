@@ -1,5 +1,5 @@
 """Megatron-Core's DDP + optimizer through the trainer: the distributed optimizer at DP=2 equals one
-process and halves the state per rank, bf16 (master weights) and fp16 (loss scaling) params train,
+process and halves the state per rank, torch's fused CPU AdamW equals its loop, bf16 (master weights) and fp16 (loss scaling) params train,
 ``master_weights=false`` loses updates below half a bf16 ulp, the LR schedule, config errors."""
 
 import math
@@ -70,6 +70,20 @@ def test_distributed_optimizer_at_dp2_equals_one_process_with_half_the_state(tin
     assert 0 < padding <= 0.001 * sum(p.numel() for p in single["params"].values())
     for out in ranks:
         assert abs(out["state_bytes"] - half) <= 8 * padding
+
+
+def test_megatrons_cpu_adamw_runs_torchs_fused_kernel_with_the_loops_updates(tiny_dense, megatron_single,
+                                                                             monkeypatch):
+    """Without TE / Apex Megatron-Core builds torch's AdamW; on CPU ``parallel.cpu.fuse_torch_adam`` switches
+    it to torch's fused kernel (3 steps: the same weights as the per-tensor loop, to fp32 round-off)."""
+    fused = _train(tiny_dense)
+    assert all(g["fused"] and not g["foreach"] for g in fused["optimizer"].chained[0].optimizer.param_groups)
+    monkeypatch.setattr("megatron_grpo.trainer.optim.fuse_torch_adam", lambda optimizers: 0)
+    loop = _train(tiny_dense)
+    assert not any(g["fused"] for g in loop["optimizer"].chained[0].optimizer.param_groups)
+    assert loop["moved"] > 1e-3
+    for name, p in loop["params"].items():
+        torch.testing.assert_close(fused["params"][name], p, atol=2e-6, rtol=0, msg=name)
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])

@@ -24,7 +24,9 @@ import statistics
 import tempfile
 import time
 
-MODES = ("replicated", "distributed")
+MODES = ("replicated", "distributed", "unfused")
+"""unfused: the replicated optimizer with torch's default AdamW path on CPU (what Megatron-Core builds
+without TE / Apex), before ``parallel.cpu.fuse_torch_adam`` switches it to the fused kernel."""
 
 
 def make_model(out_dir: str, hidden: int, layers: int, ffn: int, heads: int, kv_heads: int, vocab: int) -> str:
@@ -98,6 +100,10 @@ def bench_mode(model_dir: str, mode: str, args) -> dict:
                              "grpo": {"deployed_improvement": False}})
     model = wrap_model(build_from_hf(model_dir, params_dtype=getattr(torch, dtype))[0], cfg)
     optimizer = Optimizer(model, cfg)
+    if mode == "unfused":
+        for opt in optimizer.chained:
+            for group in [opt.optimizer.defaults, *opt.optimizer.param_groups]:
+                group["fused"], group["foreach"] = None, None
     step = TrainStep(model, optimizer, cfg, ps.get_tensor_model_parallel_group(), ps.get_data_parallel_group())
     sync_times, gather = _timed_syncs(model, unwrap(model).config)
     batch = _batch(args.vocab, args.rows, args.seq, ps.get_data_parallel_rank(), ps.get_data_parallel_world_size())
@@ -160,6 +166,9 @@ def print_table(ranks, args) -> None:
     print(f"distributed / replicated on rank 0: optimizer state {dis['state_bytes'] / rep['state_bytes']:.2f}x, "
           f"grad sync {dis['sync_s'] / rep['sync_s']:.2f}x, optimizer step {dis['step_s'] / rep['step_s']:.2f}x, "
           f"sync + step {(dis['sync_s'] + dis['step_s']) / (rep['sync_s'] + rep['step_s']):.2f}x")
+    unf = ranks[0]["unfused"]
+    print(f"fused / unfused torch AdamW (replicated) on rank 0: optimizer step {rep['step_s'] / unf['step_s']:.2f}x "
+          f"({rep['step_s'] * 1e3:.0f} ms vs {unf['step_s'] * 1e3:.0f} ms)")
 
 
 def _spawned(rank: int, world: int, port: int, model_dir: str, args) -> None:

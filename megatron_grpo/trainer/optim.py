@@ -29,6 +29,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron_grpo.config.schema import Config, to_dtype
 from megatron_grpo.models import unwrap
 from megatron_grpo.models.forward import model_device
+from megatron_grpo.parallel.cpu import fuse_torch_adam
 from megatron_grpo.parallel.state import has_gloo_groups
 
 
@@ -98,6 +99,7 @@ class Optimizer:
         # gloo groups exist on CPU only (parallel/state.py); Megatron's default assumes them
         self.megatron = get_megatron_optimizer(optimizer_config(cfg), [model],
                                                use_gloo_process_groups=has_gloo_groups())
+        fuse_torch_adam(self.chained)  # CPU: torch's fused AdamW kernel instead of its per-tensor loop
         o, s = cfg.policy.megatron_cfg.optimizer, cfg.policy.megatron_cfg.scheduler
         decay = s.lr_decay_iters or max(cfg.grpo.max_num_steps, s.lr_warmup_iters + 1)
         self.scheduler = OptimizerParamScheduler(
