@@ -9,7 +9,7 @@ Usage: python tools/bench_weight_sync.py [--model DIR | --hidden 1024 --layers 8
        [--transports file,gloo]
        python tools/bench_weight_sync.py [--model DIR] --sparse-delta 1e-6,1e-5,1e-4 [--steps 3]
          (what a bf16 sparse delta push would send: the share of bf16 weights one AdamW step changes)
-       python tools/bench_weight_sync.py [--model DIR] --delta-push 1e-6,1e-5,1e-4 [--pushes 5] [--transports file]
+       python tools/bench_weight_sync.py [--model DIR] --delta-push 1e-6,1e-5,1e-4 [--pushes 5] [--transports file,gloo]
          (``generation.delta_push`` measured: per lr, after each of ``--pushes`` AdamW steps the same engine gets a
          delta push and then a full push of the same weights: bytes and seconds side by side)
 """
@@ -172,10 +172,10 @@ def main() -> None:
     state.initialize_model_parallel(state.Layout(world_size=1))
     model, shape = build_from_hf(model_dir)
     if args.delta_push:
-        transport = args.transports.split(",")[0]
-        rows = bench_delta_push(model, shape, model_dir, transport, [float(x) for x in args.delta_push.split(",")],
-                                args.pushes, args.bucket_mb)
-        _print_delta_push(model_dir, transport, args.pushes, rows)
+        for transport in args.transports.split(","):  # one engine per transport, one after the other
+            rows = bench_delta_push(model, shape, model_dir, transport, [float(x) for x in args.delta_push.split(",")],
+                                    args.pushes, args.bucket_mb)
+            _print_delta_push(model_dir, transport, args.pushes, rows)
         return
     if args.sparse_delta:
         print(f"model={model_dir}: bf16 elements changed by one AdamW step (random gradients, median of {args.steps} "
