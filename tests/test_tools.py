@@ -323,3 +323,50 @@ def test_gpu_check_preflight_names_each_problem(tmp_path, monkeypatch):
     assert gpu_check.preflight_info(str(tmp_path), str(tmp_path), dry=True)["problems"] == [
         "import no_such_module_for_gpu_check failed: ModuleNotFoundError: No module named "
         "'no_such_module_for_gpu_check' (installed from ./wheels: omegaconf-2.4.0-py3-none-any.whl)"]
+
+
+def test_every_sweep_grid_run_is_a_valid_recipe(tmp_path):
+    """Each run of every grid loads with its recipe and overrides (unknown keys and bad values are errors), so a
+    grid fails here rather than minutes into a sweep."""
+    import sweep
+
+    from megatron_grpo.config.recipe import load_recipe
+
+    for grid, runs in sweep.GRIDS.items():
+        if grid == "writeup":  # one recipe per run (recipes/grpo-qwen3-0.6b-eos-RUN.yaml), each in test_config
+            continue
+        for run, overrides in runs.items():
+            cfg = load_recipe(os.path.join(ROOT, sweep.recipe_for(grid, run)), overrides + ["grpo.seed=3"])
+            assert cfg.grpo.seed == 3, (grid, run)
+    smol = sweep.GRIDS["smollm2-ab"]
+    assert set(smol["B"]) - set(smol["A"]) == {"policy.precision.generation_dtype=bfloat16"}
+
+
+def test_smollm2_ab_page_reads_complete_runs_and_pairs_seeds(tmp_path):
+    """The A-vs-B page: per-arm means over complete runs only, paired differences by seed, raw files exported."""
+    import smollm2_ab
+
+    def write(arm, seed, rewards, beta=None):
+        folder = tmp_path / "ab" / arm / f"seed{seed}"
+        folder.mkdir(parents=True)
+        with open(folder / "metrics.jsonl", "w") as f:
+            for step, r in enumerate(rewards, 1):
+                row = {"step": step, "reward/mean": r, "time/step_s": 2.0, "clip/zero_grad_fraction": 0.01}
+                if beta is not None and step % 5 == 0:
+                    row.update({"precision/beta_abs_mean": beta, "clip/phantom_zero_grad_fraction": 0.02})
+                f.write(json.dumps(row) + "\n")
+
+    steps = 6
+    for seed, lift in ((0, 0.0), (1, 1.0)):
+        write("A", seed, [-20.0, -20.0, -16, -14, -12, -10 + lift, -10 + lift, -10 + lift][:steps])
+        write("B", seed, [-20.0, -20.0, -18, -17, -16, -15, -15, -15][:steps], beta=0.04)
+    write("B", 2, [-20.0] * 3)  # incomplete: left out
+    stats = smollm2_ab.collect(str(tmp_path / "ab"), steps)
+    assert [s["seed"] for s in stats["B"]] == [0, 1]
+    a0 = stats["A"][0]
+    assert a0["final_reward"] == pytest.approx((-20 - 16 - 14 - 12 - 10) / 5) and a0["reward_1_2"] == -20
+    assert stats["B"][0]["beta_abs_mean"] == pytest.approx(0.04) and stats["B"][0]["step_s"] == 2.0
+    text = smollm2_ab.page(str(tmp_path / "ab"), steps, "cmd")
+    assert "| A | 2 |" in text and "| B | 2 |" in text
+    assert "final reward (last 5 steps), paired by seed: higher (difference" in text
+    assert smollm2_ab.export(str(tmp_path / "ab"), str(tmp_path / "out")) == 5

