@@ -1,5 +1,6 @@
 """Megatron-Core's DDP + optimizer through the trainer: the distributed optimizer at DP=2 equals one
-process and halves the state per rank, torch's fused CPU AdamW equals its loop, bf16 (master weights) and fp16 (loss scaling) params train,
+process and halves the state per rank, torch's fused CPU AdamW equals its loop, the CPU weight-gradient
+accumulation fusion equals the unfused gradients, bf16 (master weights) and fp16 (loss scaling) params train,
 ``master_weights=false`` loses updates below half a bf16 ulp, the LR schedule, config errors."""
 
 import math
@@ -84,6 +85,45 @@ def test_megatrons_cpu_adamw_runs_torchs_fused_kernel_with_the_loops_updates(tin
     assert loop["moved"] > 1e-3
     for name, p in loop["params"].items():
         torch.testing.assert_close(fused["params"][name], p, atol=2e-6, rtol=0, msg=name)
+
+
+def _grads(model_dir, *overrides, **build):
+    """DDP's gradient buffers (and the layers running the fused weight-gradient path) after one
+    forward-backward of 8 rows in 2 micro-batches."""
+    st = _stepper(model_dir, *overrides, **build)
+    st.current_step, st.nonfinite = 1, []
+    st.optimizer.zero_grad()
+    old, adv = torch.full((ROWS, SEQ), -7.0), torch.linspace(-1.0, 1.0, ROWS)
+    st.forward_backward(_step_batch(old, adv), None, None)
+    fused = sorted(n for n, m in st.model.named_modules() if getattr(m, "gradient_accumulation_fusion", False))
+    return {n: p.main_grad.float().clone() for n, p in st.model.named_parameters()}, fused
+
+
+@pytest.mark.parametrize("model, precision", [("tiny_dense", "float32"), ("tiny_tied", "float32"),
+                                              ("tiny_dense", "bf16-autocast"), ("tiny_dense", "bfloat16")])
+def test_cpu_wgrad_accumulation_fusion_equals_the_unfused_gradients(model, precision, request, megatron_single,
+                                                                    monkeypatch):
+    """``parallel.cpu.fuse_wgrad_accumulation``: Megatron's gradient_accumulation_fusion path with a CPU kernel
+    gives DDP's buffers the unfused path's gradients (2 micro-batches accumulated; fp32 to round-off; bf16
+    compute, with fp32 or bf16 params, to a bf16 ulp); a tied output layer keeps the unfused path, so the
+    embedding's own gradient (through the same parameter) is still counted."""
+    model_dir = request.getfixturevalue(model)
+    overrides, build = [], {}
+    if precision != "float32":
+        overrides = ["policy.precision.compute_dtype=bfloat16"]
+    if precision == "bfloat16":
+        overrides.append("policy.precision.params_dtype=bfloat16")
+        build = {"params_dtype": torch.bfloat16}
+    fused, names = _grads(model_dir, *overrides, **build)
+    monkeypatch.setattr("megatron_grpo.trainer.optim.fuse_wgrad_accumulation", lambda model: 0)
+    loop, unfused_names = _grads(model_dir, *overrides, **build)
+    assert not unfused_names
+    assert any(n.endswith("linear_fc1") for n in names) and any(n.endswith("linear_qkv") for n in names)
+    assert any(n.endswith("output_layer") for n in names) == (model == "tiny_dense"), names
+    tol = 1e-6 if precision == "float32" else 1e-2
+    for name, g in loop.items():
+        assert g.abs().max() > 0, name
+        torch.testing.assert_close(fused[name], g, atol=tol * g.abs().max().item(), rtol=0, msg=name)
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])

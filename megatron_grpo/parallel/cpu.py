@@ -25,7 +25,10 @@ Not a CUDA spot but a CPU one: without TE's or Apex's FusedAdam, Megatron-Core b
 ``AdamW`` with torch's defaults, which on CPU tensors is the per-tensor Python loop (torch picks
 its multi-tensor and fused paths by default on CUDA only). ``fuse_torch_adam`` switches such an
 optimizer to torch's fused CPU kernel (the same Adam update in one pass per tensor): measured with
-``tools/bench_optimizer.py`` (its ``unfused`` row) on a 26M Qwen3, one thread per rank.
+``tools/bench_optimizer.py`` (its ``unfused`` row) on a 26M Qwen3, one thread per rank. Likewise, without
+Apex's ``fused_weight_gradient_mlp_cuda`` Megatron-Core computes each weight gradient into a new tensor that
+DDP's hook then adds to ``main_grad``; ``fuse_wgrad_accumulation`` gives Megatron's own
+``gradient_accumulation_fusion`` path a CPU kernel (one ``addmm_`` into ``main_grad``).
 """
 
 from __future__ import annotations
@@ -263,6 +266,58 @@ def fuse_torch_adam(optimizers) -> int:
             group["fused"], group["foreach"] = True, False
         switched += 1
     return switched
+
+
+class CPUWgradAccum:
+    """The two kernels of Apex's ``fused_weight_gradient_mlp_cuda`` that Megatron-Core's tensor-parallel linear
+    backward calls under ``gradient_accumulation_fusion``: ``main_grad += grad_output^T @ input`` (2-D; Megatron
+    flattens both first). Same dtypes: one ``addmm_`` into the buffer (no weight-gradient tensor, no separate
+    add pass). Otherwise (bf16 / fp16 compute into fp32 buffers) the GEMM runs as the unfused backward runs it
+    (under the backward's autocast) and is then added: the unfused path's numerics."""
+
+    @staticmethod
+    def wgrad_gemm_accum_fp32(total_input: torch.Tensor, grad_output: torch.Tensor, main_grad: torch.Tensor) -> None:
+        a, b = grad_output, total_input
+        if torch.is_autocast_enabled("cpu"):
+            dtype = torch.get_autocast_dtype("cpu")
+            a, b = a.to(dtype), b.to(dtype)
+        elif a.dtype != b.dtype:
+            dtype = torch.promote_types(a.dtype, b.dtype)
+            a, b = a.to(dtype), b.to(dtype)
+        if a.dtype == main_grad.dtype:
+            main_grad.addmm_(a.t(), b)
+        else:
+            main_grad.add_(a.t().mm(b))
+
+    wgrad_gemm_accum_fp16 = wgrad_gemm_accum_fp32
+
+
+def fuse_wgrad_accumulation(model) -> int:
+    """CPU: turns on Megatron-Core's own ``gradient_accumulation_fusion`` for every tensor-parallel linear layer
+    of ``model`` (DDP-wrapped: each weight has its ``main_grad`` buffer) that owns its weight, with
+    :class:`CPUWgradAccum` as the kernel; returns how many layers. The weight gradient is accumulated straight
+    into DDP's buffer (as on GPU with Apex / TE) instead of a weight-gradient tensor that DDP's hook then adds.
+    A layer fed a weight owned elsewhere (the output layer with tied embeddings: the embedding's own gradient
+    arrives through the same parameter) keeps the unfused path. No-op with CUDA, where the config decides."""
+    if cuda_available():
+        return 0
+    from megatron.core.tensor_parallel import layers
+
+    if not hasattr(layers, "_grad_accum_fusion_available"):
+        logger.warning("megatron.core.tensor_parallel.layers has no _grad_accum_fusion_available: "
+                       "weight-gradient accumulation stays unfused")
+        return 0
+    if not layers._grad_accum_fusion_available:
+        layers.fused_weight_gradient_mlp_cuda = CPUWgradAccum
+        layers._grad_accum_fusion_available = True
+    count = 0
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if isinstance(module, (layers.ColumnParallelLinear, layers.RowParallelLinear)) \
+                and isinstance(weight, torch.nn.Parameter) and hasattr(weight, "main_grad"):
+            module.gradient_accumulation_fusion = True
+            count += 1
+    return count
 
 
 def model_parallel_seed(seed: int) -> None:

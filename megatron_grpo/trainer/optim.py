@@ -29,7 +29,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron_grpo.config.schema import Config, to_dtype
 from megatron_grpo.models import unwrap
 from megatron_grpo.models.forward import model_device
-from megatron_grpo.parallel.cpu import fuse_torch_adam
+from megatron_grpo.parallel.cpu import fuse_torch_adam, fuse_wgrad_accumulation
 from megatron_grpo.parallel.state import has_gloo_groups
 
 
@@ -46,8 +46,11 @@ def ddp_config(cfg: Config):
 
 
 def wrap_model(model, cfg: Config):
-    """This rank's model (a ``GPTModel``, possibly in ``Float16Module``) inside Megatron's DDP."""
-    return DistributedDataParallel(config=unwrap(model).config, ddp_config=ddp_config(cfg), module=model)
+    """This rank's model (a ``GPTModel``, possibly in ``Float16Module``) inside Megatron's DDP; on CPU with
+    Megatron's weight-gradient accumulation fusion (``parallel.cpu.fuse_wgrad_accumulation``)."""
+    ddp = DistributedDataParallel(config=unwrap(model).config, ddp_config=ddp_config(cfg), module=model)
+    fuse_wgrad_accumulation(ddp)
+    return ddp
 
 
 def optimizer_config(cfg: Config):
