@@ -147,12 +147,13 @@ def test_train_puts_back_the_signal_handlers_and_lets_the_trainer_go(tmp_path, r
 
     mine = lambda signum, frame: None  # noqa: E731
     signal.signal(signal.SIGTERM, mine)
+    sigint = signal.getsignal(signal.SIGINT)  # Python's default_int_handler, or SIG_IGN under `nohup ... &`
     trainer = StubTrainer.make(tmp_path, max_steps=4, fail_at=fail_at)
     try:
         trainer.train()
     except RuntimeError:
         assert fail_at is not None
-    assert signal.getsignal(signal.SIGTERM) is mine and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert signal.getsignal(signal.SIGTERM) is mine and signal.getsignal(signal.SIGINT) is sigint
     gone = weakref.ref(trainer)
     del trainer
     gc.collect()
