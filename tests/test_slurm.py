@@ -108,13 +108,22 @@ def test_command_line_and_exit_75_requeues_but_a_cancel_does_not(tmp_path):
     (tmp_path / "slurm.log").unlink()
     proc = subprocess.run(args, env=dict(env, FAKE_EXIT="1"), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1 and _calls(tmp_path) == ["scontrol show hostnames node1"]  # an error: no requeue
+    # USR1 (--signal=B:USR1) reaches the batch shell alone; scancel's SIGTERM reaches every process of the
+    # job at once, so the ranks exit while the script's trap is still running (a slow `date` there): the
+    # script must still report the ranks' 75, not its own interrupted wait's 143
+    (tmp_path / "fake-bin" / "date").write_text('#!/bin/bash\nsleep 0.3\nexec /bin/date "$@"\n')
+    (tmp_path / "fake-bin" / "date").chmod(0o755)
     for sig, requeued in ((signal.SIGUSR1, True), (signal.SIGTERM, False)):
         (tmp_path / "slurm.log").unlink()
         (tmp_path / "slurm.log.torchrun").unlink()
-        batch = subprocess.Popen(args, env=dict(env, FAKE_EXIT=""), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        batch = subprocess.Popen(args, env=dict(env, FAKE_EXIT=""), stdout=subprocess.PIPE,
+                                 stderr=subprocess.STDOUT, start_new_session=True)
         _wait_for(lambda: (tmp_path / "slurm.log.torchrun").exists(), batch)
         time.sleep(0.5)  # the script's trap is set before srun starts; let the fake torchrun set its own
-        batch.send_signal(sig)
+        if sig == signal.SIGTERM:
+            os.killpg(batch.pid, sig)
+        else:
+            batch.send_signal(sig)
         assert batch.wait(timeout=60) == 75, batch.stdout.read()
         assert (f"scontrol requeue {JOB_ID}" in _calls(tmp_path)) == requeued, sig
 
