@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import io
 import os
+import shutil
 import socket
+import tempfile
+import time
 import traceback
 
 import torch
@@ -35,11 +38,26 @@ def _entry(rank, world_size, port, fn, args, queue):
             pass
 
 
+def file_barrier(name: str = "start", timeout: float = 600.0) -> None:
+    """Every rank of ``run_distributed`` waits here until all have arrived (files, no process group): a
+    test that sets a collective timeout of a second or two starts its rendezvous with the ranks aligned,
+    not one import (seconds on a loaded machine) apart."""
+    folder, rank, world = os.environ["DIST_TEST_DIR"], os.environ["RANK"], int(os.environ["WORLD_SIZE"])
+    open(os.path.join(folder, f"{name}.{rank}"), "w").close()
+    deadline = time.monotonic() + timeout
+    while sum(f.startswith(f"{name}.") for f in os.listdir(folder)) < world:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"file_barrier {name!r}: not every rank arrived in {timeout} s")
+        time.sleep(0.005)
+
+
 def run_distributed(fn, world_size: int, *args, timeout: float = 600.0):
     """``[fn(*args) on rank r for r in range(world_size)]``; raises with the failing rank's traceback."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = _free_port()
+    folder = tempfile.mkdtemp(prefix="dist-test-")
+    os.environ["DIST_TEST_DIR"] = folder  # the spawned ranks inherit it (file_barrier)
     procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, queue)) for r in range(world_size)]
     for p in procs:
         p.start()
@@ -55,4 +73,5 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 600.0):
             p.join(timeout=30)
             if p.is_alive():
                 p.kill()
+        shutil.rmtree(folder, ignore_errors=True)
     return [results[r] for r in range(world_size)]

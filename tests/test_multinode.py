@@ -50,8 +50,12 @@ def _free_port() -> int:
 
 
 def _rows(log_dir):
+    """The complete rows (read while the run may still write: a last line not yet finished is left out)."""
     path = os.path.join(log_dir, "metrics.jsonl")
-    return [json.loads(line) for line in open(path)] if os.path.isfile(path) else []
+    if not os.path.isfile(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.endswith("\n")]
 
 
 def _wait_all(procs, timeout, grace=FAIL_FAST_GRACE_S):

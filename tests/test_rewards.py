@@ -96,10 +96,14 @@ def _score_on_two_ranks(calls_file):
 
     import torch.distributed as dist
 
-    from megatron_grpo.parallel import comm, state
+    from megatron_grpo.parallel import comm, cpu, state
     from megatron_grpo.trainer.rewards import score_once
 
+    from tests._dist import file_barrier
+
     os.environ["REWARD_CALLS"] = calls_file
+    cpu.install()
+    file_barrier()  # the 2 s timeout also bounds the rendezvous: start it with both ranks' imports done
     state.init_distributed(timeout_minutes=2.0 / 60)  # cluster.distributed_timeout_minutes: 2 s
     rank = dist.get_rank()
     decode = (lambda ids: ["x" * len(i) for i in ids]) if rank == 0 else None  # other ranks never decode

@@ -57,13 +57,13 @@ def _rank_main(log_dir, max_steps, signal_rank, signal_step):
 
 
 def test_sigterm_to_one_rank_stops_both_at_one_boundary_with_a_checkpoint(tmp_path):
-    results = run_distributed(_rank_main, 2, str(tmp_path), 10, 1, 3, timeout=120)
+    results = run_distributed(_rank_main, 2, str(tmp_path), 10, 1, 3, timeout=300)
     # both ranks stop after step 3, save it once, and exit with the preemption status
     assert results == [(75, 3, [3]), (75, 3, [3])]
 
 
 def test_a_full_run_saves_its_last_step_once_and_exits_0(tmp_path):
-    results = run_distributed(_rank_main, 2, str(tmp_path), 5, 0, 0, timeout=120)
+    results = run_distributed(_rank_main, 2, str(tmp_path), 5, 0, 0, timeout=300)
     assert results == [(0, 5, [5]), (0, 5, [5])]  # no signal: the periodic save at 5 is also the final one
 
 

@@ -34,9 +34,9 @@ esac
 """
 FAKE_TORCHRUN = """#!/bin/bash
 # a rank that stops at SIGTERM as ours does: exits FAKE_EXIT at once, or 75 when signalled
-echo "$*" > "$FAKE_SLURM_LOG.torchrun"
-[ -n "${FAKE_EXIT:-}" ] && exit "$FAKE_EXIT"
+[ -n "${FAKE_EXIT:-}" ] && { echo "$*" > "$FAKE_SLURM_LOG.torchrun"; exit "$FAKE_EXIT"; }
 trap 'exit 75' TERM
+echo "$*" > "$FAKE_SLURM_LOG.torchrun"  # after the trap: the test signals once this file exists
 sleep 60 & wait
 """
 
@@ -118,8 +118,7 @@ def test_command_line_and_exit_75_requeues_but_a_cancel_does_not(tmp_path):
         (tmp_path / "slurm.log.torchrun").unlink()
         batch = subprocess.Popen(args, env=dict(env, FAKE_EXIT=""), stdout=subprocess.PIPE,
                                  stderr=subprocess.STDOUT, start_new_session=True)
-        _wait_for(lambda: (tmp_path / "slurm.log.torchrun").exists(), batch)
-        time.sleep(0.5)  # the script's trap is set before srun starts; let the fake torchrun set its own
+        _wait_for(lambda: (tmp_path / "slurm.log.torchrun").exists(), batch)  # both traps are set
         if sig == signal.SIGTERM:
             os.killpg(batch.pid, sig)
         else:
@@ -137,29 +136,36 @@ def _wait_for(condition, proc, timeout=600):
 
 
 def _rows(log_dir):
+    """The complete rows of a run's metrics.jsonl (read while the run writes it: a last line not yet
+    finished is left out)."""
     path = os.path.join(log_dir, "metrics.jsonl")
-    return [json.loads(line) for line in open(path)] if os.path.isfile(path) else []
+    if not os.path.isfile(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.endswith("\n")]
 
 
 def test_real_run_usr1_checkpoints_exits_75_requeues_and_the_requeued_start_resumes(tmp_path, tiny_dense):
     """The real torchrun line, 1 node x 1 rank, megatron generator: USR1 after step 1 stops the run with a
     checkpoint (torchrun exits 1: the run's summary.json tells the script it was a signal) -> 75 and a
-    requeue; the requeued start (SLURM_RESTART_COUNT=1) resumes and finishes."""
-    steps, log_dir = 4, str(tmp_path / "run")
+    requeue; the requeued start (SLURM_RESTART_COUNT=1) resumes and finishes. Steps enough that the signal
+    (forwarded within the script's 1 s poll) lands before the last one (CI ran 4 tiny steps in 1 s)."""
+    steps, log_dir = 30, str(tmp_path / "run")
     args = ["bash", SBATCH, RECIPE, f"policy.model_name={tiny_dense}", "generation.backend=megatron",
             "grpo.num_prompts_per_step=2", "grpo.num_generations_per_prompt=8", "grpo.deployed_improvement=false",
             f"grpo.max_num_steps={steps}", f"logger.log_dir={log_dir}", "logger.progress_bar=false",
             "logger.tensorboard=false", f"checkpointing.checkpoint_dir={tmp_path / 'ckpt'}"]
     env = _slurm(tmp_path, {"srun": FAKE_SRUN, "scontrol": FAKE_SCONTROL})
     out = open(tmp_path / "first.out", "w+")
-    batch = subprocess.Popen(args, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=tmp_path)
+    batch = subprocess.Popen(args, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=tmp_path,
+                             start_new_session=True)
     try:
         _wait_for(lambda: len(_rows(log_dir)) >= 1, batch)
         batch.send_signal(signal.SIGUSR1)
         code = batch.wait(timeout=600)
     finally:
-        if batch.poll() is None:
-            batch.kill()
+        if batch.poll() is None:  # a failed test leaves no torchrun or rank behind (CPU, the rendezvous port)
+            os.killpg(batch.pid, signal.SIGKILL)
     out.seek(0)
     assert code == 75, out.read()[-4000:]
     assert _calls(tmp_path)[-1] == f"scontrol requeue {JOB_ID}"

@@ -76,8 +76,11 @@ def _late_tp_collective():
     import torch
     from megatron.core import parallel_state as ps
 
-    from megatron_grpo.parallel import state
+    from megatron_grpo.parallel import cpu, state
+    from tests._dist import file_barrier
 
+    cpu.install()
+    file_barrier()  # the 1 s timeout also bounds the rendezvous: start it with both ranks' imports done
     state.initialize_model_parallel(Layout(world_size=2, tp=2), timeout_minutes=1.0 / 60)
     if ps.get_tensor_model_parallel_rank() == 0:
         time.sleep(4.0)

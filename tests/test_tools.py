@@ -107,7 +107,7 @@ def test_gpu_check_dry_run_trains_runs_a_and_b(tmp_path):
     env = dict(os.environ, GPU_CHECK_DRY="1", PYTHON=sys.executable, GPU_CHECK_WORK=str(tmp_path / "work"))
     env.pop("GPU_CHECK_PHASES", None)
     proc = subprocess.run(["bash", "tools/gpu_check.sh", str(out)], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=460)
+                          text=True, timeout=960)  # above the dry run's own limit (900 s)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     assert "gpu_check: OK" in proc.stdout
     assert sorted(os.listdir(out)) == ["gpu_check.json", "gpu_check.log", "run_A.metrics.jsonl", "run_B.metrics.jsonl",

@@ -2,6 +2,7 @@
 
 import json
 import os
+import socket
 import subprocess
 import sys
 
@@ -20,10 +21,17 @@ MECHANISM_METRICS = [
 ]
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def run_cli(args, log_dir, nproc=1, timeout=900):
     """Runs ``megatron-grpo train`` (under torchrun when nproc > 1); returns (returncode, output, rows)."""
     base = [sys.executable, "-m", "megatron_grpo"] if nproc == 1 else [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "-m", "megatron_grpo"]
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+        "--master-port", str(_free_port()), "-m", "megatron_grpo"]  # not torchrun's fixed 29500
     cmd = base + ["train", RECIPE, f"logger.log_dir={log_dir}", "logger.progress_bar=false",
                   "logger.tensorboard=false"] + list(args)
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}

@@ -27,7 +27,7 @@ out="${1:?usage: tools/gpu_check.sh OUT_DIR   (GPU_CHECK_DRY=1 for the CPU dry r
 mkdir -p "$out"
 out="$(cd "$out" && pwd)"
 cd "$(dirname "$0")/.."
-limit=480
+limit=480  # the device session (its 15 minutes hold the machine's start and this run)
 py="${PYTHON:-}"
 if [ -z "$py" ]; then
   if [ -x .venv/bin/python ]; then py=.venv/bin/python; else py=python3; fi
@@ -47,6 +47,7 @@ os.replace(sys.argv[1] + ".tmp", sys.argv[1])' "$out/gpu_check.json" 2>/dev/null
 }
 dry="${GPU_CHECK_DRY:-0}"
 [ "$dry" = 0 ] && dry_flag=() || dry_flag=(--dry)
+[ "$dry" = 0 ] || limit=900  # the CPU dry run (CI): seven processes importing megatron on a loaded 2-core machine
 
 # What the train path (generation.backend=megatron) imports beyond torch and the machine may lack
 # (numpy too: megatron.core needs it and a torch install does not bring it): module -> wheel name in
