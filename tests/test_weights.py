@@ -201,3 +201,34 @@ def test_truncated_safetensors_names_file(tiny_dense, tmp_path, megatron_single)
     path.write_bytes(data[: len(data) // 2])
     with pytest.raises(ValueError, match="model.safetensors"):
         build_from_hf(str(broken))
+
+
+def test_push_buckets_equal_the_export_and_copy_only_where_needed(tiny_dense, megatron_single):
+    """The push's buckets (``hf_buckets``) hold exactly the exported HF tensors. At TP = 1 in the trainer's
+    dtype they are read from the live parameters (no copy: the push is synchronous); a cast, or a delta
+    push (whose state keeps every shard as last sent), gets tensors of its own."""
+    from megatron_grpo.models import build_from_hf
+    from megatron_grpo.models.weights import export_hf_tensors
+    from megatron_grpo.rollout.transfer.delta import DELTA_MARK, DeltaState
+    from megatron_grpo.rollout.transfer.weight_sync import PushReport, hf_buckets
+
+    model, shape = build_from_hf(tiny_dense)
+    live = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    exported = dict(export_hf_tensors(model, shape))
+
+    def pushed(dtype, delta=None):
+        buckets = hf_buckets(model, shape, dtype, 1 << 16, PushReport(version=0), delta=delta)
+        return {n: t for bucket in buckets for n, t in bucket if n != DELTA_MARK}
+
+    same = pushed(torch.float32)
+    assert same.keys() == exported.keys() and all(torch.equal(same[n], exported[n]) for n in exported)
+    aliased = {n for n, t in same.items() if t.untyped_storage().data_ptr() in live}
+    assert "model.layers.0.self_attn.o_proj.weight" in aliased and "model.layers.0.mlp.down_proj.weight" in aliased
+    cast = pushed(torch.bfloat16)
+    assert all(torch.equal(cast[n], exported[n].to(torch.bfloat16)) for n in exported)
+    delta = DeltaState()
+    delta.start()
+    kept = pushed(torch.float32, delta)
+    assert all(torch.equal(kept[n], exported[n]) for n in exported)
+    assert not {n for n, t in kept.items() if t.untyped_storage().data_ptr() in live}
+    assert not {n for n, t in delta.shards.items() if t.untyped_storage().data_ptr() in live}

@@ -7,6 +7,8 @@ engine); the baseline clones the same HF-named tensors in memory. Side by side i
 and bytes moved per push (median of ``--repeats``), and the ratio to the copy (goal <= 3x).
 Usage: python tools/bench_weight_sync.py [--model DIR | --hidden 1024 --layers 8] [--dtype float32] [--repeats 5]
        [--transports file,gloo]
+       python tools/bench_weight_sync.py [--model DIR | --hidden H --layers L] --split
+         (where a file push's time goes: gather, file write, vLLM's load, side by side)
        python tools/bench_weight_sync.py [--model DIR] --sparse-delta 1e-6,1e-5,1e-4 [--steps 3]
          (what a bf16 sparse delta push would send: the share of bf16 weights one AdamW step changes)
        python tools/bench_weight_sync.py [--model DIR] --delta-push 1e-6,1e-5,1e-4 [--pushes 5] [--transports file,gloo]
@@ -42,6 +44,42 @@ def bench_transport(model, shape, model_dir, dtype, transport: str, bucket_mb: f
     finally:
         engine.close()
     return statistics.median(times), moved
+
+
+def bench_push_split(model, shape, model_dir, dtype, bucket_mb: float, repeats: int):
+    """Where a ``file`` push's time goes, each part's median over ``repeats`` pushes, measured side by side:
+    ``gather`` (cast, copy, unshard, name and bucket every tensor: ``hf_buckets`` alone), ``+ write`` (the
+    same plus each bucket written once under /dev/shm, ``SharedFileFanout.publish``, then removed) and the
+    ``full push`` into a vLLM engine (both of those plus vLLM's load: the worker reads each file and runs
+    its layerwise reload). Returns [(part, seconds)]."""
+    from megatron_grpo.rollout.engines.vllm_engine import VLLMEngine
+    from megatron_grpo.rollout.transfer.fanout import SharedFileFanout
+    from megatron_grpo.rollout.transfer.weight_sync import PushReport, hf_buckets, push_weights
+
+    def gather():
+        for _ in hf_buckets(model, shape, dtype, int(bucket_mb * 2**20), PushReport(version=0)):
+            pass
+
+    def write():
+        fanout = SharedFileFanout(1)
+        for bucket in hf_buckets(model, shape, dtype, int(bucket_mb * 2**20), PushReport(version=0)):
+            fanout.publish(bucket)
+        fanout.close()
+
+    engine = VLLMEngine(model_dir, dtype, max_model_len=128, is_moe=shape.is_moe, weight_transfer="file")
+    parts = {"gather": gather, "gather + write": write,
+             "full push (+ vLLM load)": lambda: push_weights(model, shape, engine, 0, dtype=dtype, bucket_mb=bucket_mb)}
+    try:
+        parts["full push (+ vLLM load)"]()  # warm-up
+        times = {name: [] for name in parts}
+        for _ in range(repeats):  # the parts take turns
+            for name, fn in parts.items():
+                start = time.perf_counter()
+                fn()
+                times[name].append(time.perf_counter() - start)
+    finally:
+        engine.close()
+    return [(name, statistics.median(t)) for name, t in times.items()]
 
 
 def bench_copy(model, shape, dtype, repeats: int):
@@ -146,6 +184,18 @@ def _print_delta_push(model_dir, transport, pushes, rows) -> None:
               f"{dense_s * 1e3:>10.1f}{delta_s * 1e3:>10.1f}")
 
 
+def _print_split(model_dir, args, copy_s: float, copy_bytes: int, parts) -> None:
+    print(f"model={model_dir} dtype={args.dtype} weights={copy_bytes / 2**20:.2f} MiB bucket={args.bucket_mb} MiB, "
+          f"file transport (median of {args.repeats}; the parts take turns)")
+    print(f"{'part':<28}{'ms / push':>11}{'x copy':>9}")
+    print(f"{'plain memory copy':<28}{copy_s * 1e3:>11.2f}{1.0:>9.1f}")
+    for name, seconds in parts:
+        print(f"{name:<28}{seconds * 1e3:>11.2f}{seconds / copy_s:>9.1f}")
+    (_, gather), (_, write), (_, full) = parts
+    print(f"so: gather {gather * 1e3:.0f} ms, file write {(write - gather) * 1e3:.0f} ms, "
+          f"vLLM's load {(full - write) * 1e3:.0f} ms")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model", default=None, help="HF checkpoint dir (default: a fresh tiny Qwen3)")
@@ -161,6 +211,8 @@ def main() -> None:
     parser.add_argument("--delta-push", default=None, metavar="LRS",
                         help="comma-separated lrs: delta vs dense push bytes and seconds (first --transports value)")
     parser.add_argument("--pushes", type=int, default=5, help="--delta-push: pushes (AdamW steps) per lr")
+    parser.add_argument("--split", action="store_true",
+                        help="where a file push's time goes: gather, file write, vLLM's load (side by side)")
     args = parser.parse_args()
 
     from megatron_grpo.models import build_from_hf
@@ -186,6 +238,10 @@ def main() -> None:
             print(f"{lr:>8.0e}{share:>10.2%}{dense / 2**20:>11.2f}{sparse / 2**20:>12.3f}{sparse / dense:>14.3f}")
         return
     copy_s, copy_bytes = bench_copy(model, shape, dtype, args.repeats)
+    if args.split:
+        _print_split(model_dir, args, copy_s, copy_bytes,
+                     bench_push_split(model, shape, model_dir, dtype, args.bucket_mb, args.repeats))
+        return
     rows = [(t, *bench_transport(model, shape, model_dir, dtype, t, args.bucket_mb, args.repeats))
             for t in args.transports.split(",")]
     print(f"model={model_dir} dtype={args.dtype} weights={copy_bytes / 2**20:.2f} MiB bucket={args.bucket_mb} MiB "

@@ -153,21 +153,26 @@ def shard(pm: ParamMap, full: Sequence[torch.Tensor], shape: ModelShape, rank: i
     raise AssertionError(f"unknown split kind {pm.kind}")
 
 
-def unshard(pm: ParamMap, shards: Sequence[torch.Tensor], shape: ModelShape) -> List[torch.Tensor]:
-    """Full HF tensors of parameter ``pm`` from every rank's shard (inverse of ``shard``)."""
+def unshard(pm: ParamMap, shards: Sequence[torch.Tensor], shape: ModelShape, views: bool = False) -> List[torch.Tensor]:
+    """Full HF tensors of parameter ``pm`` from every rank's shard (inverse of ``shard``): new tensors,
+    or with ``views`` and a single shard (TP = 1) views of it where no copy is needed (the weight push,
+    which reads them at once: one copy fewer of every weight)."""
+    def join(parts, dim=0):
+        return parts[0] if views and len(parts) == 1 else torch.cat(list(parts), dim=dim)
+
     if pm.kind == "rep":
         return [shards[0]]
     if pm.kind in ("column", "vocab"):
-        return [torch.cat(list(shards), dim=0)]
+        return [join(shards)]
     if pm.kind == "row":
-        return [torch.cat(list(shards), dim=1)]
+        return [join(shards, dim=1)]
     if pm.kind == "glu":
         halves = [s.chunk(2, dim=0) for s in shards]
-        return [torch.cat([h[0] for h in halves]), torch.cat([h[1] for h in halves])]
+        return [join([h[0] for h in halves]), join([h[1] for h in halves])]
     if pm.kind == "qkv":
         groups = shape.num_kv_heads // len(shards)
         parts = [split_qkv(s, shape, groups) for s in shards]
-        return [torch.cat([p[i] for p in parts], dim=0) for i in range(3)]
+        return [join([p[i] for p in parts]) for i in range(3)]
     raise AssertionError(f"unknown split kind {pm.kind}")
 
 

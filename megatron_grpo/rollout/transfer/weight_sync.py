@@ -77,7 +77,7 @@ def hf_buckets(model, shape, dtype: torch.dtype, bucket_bytes: int, report: Push
             yield _close(bucket, size, report, delta is not None and patches)
             bucket, size = [], 0
         group = _layer_of(name)
-        tensor = tensor.contiguous()  # already cast (and copied) before the gather
+        tensor = tensor.contiguous()  # a copy only for a strided view (TP = 1: q / k / v of the fused qkv)
         if transform is not None:
             item = transform(name, tensor)
             if item is None:
@@ -118,7 +118,9 @@ def _my_rank() -> int:
 def stage_hf_tensors(model, shape, dtype: torch.dtype) -> Iterator[Tuple[str, torch.Tensor]]:
     """This pipeline stage's full HF tensors in ``dtype``, yielded on the stage's leader only.
 
-    Local shards are cast (a copy) before they are gathered. Ranks that share the leader's TP group
+    Local shards are cast before they are gathered (a copy where the dtype differs or a delta push keeps
+    it; in the same dtype at TP = 1 the tensors yielded may be views of the live parameters, so they are
+    read before the next update: every push is synchronous). Ranks that share the leader's TP group
     (dense weights) or its expert tensor-and-model-parallel group (experts) run the gathers and
     yield nothing; every other rank returns at once."""
     for name, tensor, _ in _stage_items(model, shape, dtype, None):
@@ -136,7 +138,9 @@ def _stage_items(model, shape, dtype: torch.dtype, delta: Optional[D.DeltaState]
         return
     place, params = RankPlacement.current(model), dict(unwrap(model).named_parameters())
     for pm in _export_order(shape, place):
-        local = params[pm.mcore_name].detach().to(dtype=dtype, copy=True)
+        # a copy only where the delta state keeps it as "last sent"; otherwise the cast (or, same dtype,
+        # the live parameter: the push is synchronous and reads it before the next update)
+        local = params[pm.mcore_name].detach().to(dtype=dtype, copy=delta is not None)
         if (pm.expert and not experts) or (not pm.expert and not dense):
             continue
         mask = None if delta is None else delta.changed(pm.mcore_name, local)
@@ -153,7 +157,7 @@ def _stage_items(model, shape, dtype: torch.dtype, delta: Optional[D.DeltaState]
         if me != leader:
             continue
         masks = [None] * len(pm.hf_names) if mask is None else unshard(pm, mask_shards, shape)
-        for name, tensor, m in zip(pm.hf_names, unshard(pm, shards, shape), masks):
+        for name, tensor, m in zip(pm.hf_names, unshard(pm, shards, shape, views=True), masks):
             yield name, tensor, m
             if name == "model.embed_tokens.weight" and shape.tie_word_embeddings:
                 yield "lm_head.weight", tensor, m
