@@ -5,7 +5,6 @@ left to itself it binds the hostname's 127.0.0.1 and the run dies at start-up (`
 failed ... remote=[127.0.0.1]``). Where network namespaces cannot be made (not root), both nodes run
 on 127.0.0.1 (warned, not skipped)."""
 
-import json
 import os
 import signal
 import socket
@@ -15,6 +14,8 @@ import time
 import warnings
 
 import pytest
+
+from megatron_grpo.observe.metrics_logger import read_metrics_rows
 
 from tests._netns import Host, veth_hosts
 
@@ -50,12 +51,9 @@ def _free_port() -> int:
 
 
 def _rows(log_dir):
-    """The complete rows (read while the run may still write: a last line not yet finished is left out)."""
+    """The complete rows (read while the run may still write: ``read_metrics_rows`` drops a torn last line)."""
     path = os.path.join(log_dir, "metrics.jsonl")
-    if not os.path.isfile(path):
-        return []
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.endswith("\n")]
+    return read_metrics_rows(path) if os.path.isfile(path) else []
 
 
 def _wait_all(procs, timeout, grace=FAIL_FAST_GRACE_S):

@@ -14,6 +14,8 @@ import time
 
 import pytest
 
+from megatron_grpo.observe.metrics_logger import read_metrics_rows
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SBATCH = os.path.join(ROOT, "tools", "slurm", "grpo.sbatch")
 RECIPE = os.path.join(ROOT, "recipes", "grpo-tiny-eos-cpu.yaml")
@@ -136,13 +138,9 @@ def _wait_for(condition, proc, timeout=600):
 
 
 def _rows(log_dir):
-    """The complete rows of a run's metrics.jsonl (read while the run writes it: a last line not yet
-    finished is left out)."""
+    """The complete rows (read while the run may still write: ``read_metrics_rows`` drops a torn last line)."""
     path = os.path.join(log_dir, "metrics.jsonl")
-    if not os.path.isfile(path):
-        return []
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.endswith("\n")]
+    return read_metrics_rows(path) if os.path.isfile(path) else []
 
 
 def test_real_run_usr1_checkpoints_exits_75_requeues_and_the_requeued_start_resumes(tmp_path, tiny_dense):

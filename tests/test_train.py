@@ -2,11 +2,12 @@
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
 import pytest
+
+from tests._dist import _free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPE = os.path.join(ROOT, "recipes", "grpo-tiny-eos-cpu.yaml")
@@ -19,12 +20,6 @@ MECHANISM_METRICS = [
     "policy/kl_rollout", "policy/deployed_improvement", "reward/mean", "reward/std", "completion/length_mean",
     "loss/policy", "sync/logprob_abs_diff_mean", "sync/logprob_abs_diff_max",
 ]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_cli(args, log_dir, nproc=1, timeout=900):

@@ -56,13 +56,16 @@ def bench_push_split(model, shape, model_dir, dtype, bucket_mb: float, repeats: 
     from megatron_grpo.rollout.transfer.fanout import SharedFileFanout
     from megatron_grpo.rollout.transfer.weight_sync import PushReport, hf_buckets, push_weights
 
+    def buckets():
+        return hf_buckets(model, shape, dtype, int(bucket_mb * 2**20), PushReport(version=0))
+
     def gather():
-        for _ in hf_buckets(model, shape, dtype, int(bucket_mb * 2**20), PushReport(version=0)):
+        for _ in buckets():
             pass
 
     def write():
         fanout = SharedFileFanout(1)
-        for bucket in hf_buckets(model, shape, dtype, int(bucket_mb * 2**20), PushReport(version=0)):
+        for bucket in buckets():
             fanout.publish(bucket)
         fanout.close()
 
