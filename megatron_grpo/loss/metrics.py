@@ -121,18 +121,27 @@ def compat_stats(stats: StatSet, train_lp, rollout_lp, mask, is_weight=None) -> 
     stats.add_sum("compat_log_ppl_abs_diff", (seq_lr / maskf.sum(-1).clamp(min=1.0)).abs().sum())
 
 
-def routing_stats(stats: StatSet, train_routes, natural_routes, ref_routes, beta, mask) -> None:
-    """MoE routing agreement per (token, layer) between the routing the trainer's forward used
-    and the reference (shadow/generator) routing, the share the replay overrode, and |beta|
-    split by whether a token's routing matched in every layer. Routes are ``[B, S, L, k]``."""
+def route_disagreements(train_routes, natural_routes, ref_routes) -> torch.Tensor:
+    """``[2, B, S]``: per token, in how many of this model's (pipeline stage's) MoE layers the routing the
+    trainer's forward used differs from the reference (shadow / generator) routing (row 0) and from its
+    own natural choice (row 1: the replay overrode it). Sums over layers, so pipeline stages add theirs
+    up. Routes are ``[B, S, L, k]``."""
     differ = ~same_experts(train_routes, ref_routes)
     replayed = ~same_experts(train_routes, natural_routes)
-    any_differ = differ.any(-1)
-    per_layer = mask.unsqueeze(-1)
+    return torch.stack([differ.sum(-1), replayed.sum(-1)])
+
+
+def routing_stats(stats: StatSet, disagreements: torch.Tensor, num_layers, beta, mask) -> None:
+    """MoE routing agreement per (token, layer) over ``num_layers`` MoE layers between the routing the
+    trainer's forward used and the reference (shadow/generator) routing, the share the replay overrode,
+    and |beta| split by whether a token's routing matched in every layer. ``disagreements``:
+    ``route_disagreements`` summed over every layer of the model (every pipeline stage's)."""
+    differ, replayed = disagreements.unbind(0)
+    any_differ = differ > 0
     beta_abs = beta.detach().double().abs()
-    stats.add_sum("route_decisions", mask.sum() * differ.shape[-1])
-    stats.add_sum("route_mismatch", (differ & per_layer).sum())
-    stats.add_sum("route_replayed", (replayed & per_layer).sum())
+    stats.add_sum("route_decisions", mask.sum() * num_layers)
+    stats.add_sum("route_mismatch", masked_sum(differ, mask))
+    stats.add_sum("route_replayed", masked_sum(replayed, mask))
     stats.add_sum("route_tokens_mismatch", (any_differ & mask).sum())
     stats.add_sum("beta_abs_route_mismatch", masked_sum(beta_abs, mask & any_differ))
     stats.add_sum("beta_abs_route_match", masked_sum(beta_abs, mask & ~any_differ))

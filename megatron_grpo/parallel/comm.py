@@ -119,6 +119,16 @@ def pipeline_group():
     return ps.get_pipeline_model_parallel_group() if ps.model_parallel_is_initialized() else None
 
 
+def pipeline_sum(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` summed over this rank's pipeline stages (a new tensor on its device; PP = 1: ``tensor``)."""
+    group = pipeline_group()
+    if group_size(group) == 1:
+        return tensor
+    summed = tensor.to(collective_device(tensor.device, group), copy=True)
+    dist.all_reduce(summed, op=dist.ReduceOp.SUM, group=group)
+    return summed.to(tensor.device)
+
+
 def _last_stage_source():
     from megatron.core import parallel_state as ps
 

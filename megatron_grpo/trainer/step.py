@@ -23,7 +23,7 @@ from megatron_grpo import faults
 from megatron_grpo.compat.megatron import moe_aux_loss_token_multiplier
 from megatron_grpo.config.schema import Config, to_dtype
 from megatron_grpo.loss import StatSet, clips, policy_loss_stats
-from megatron_grpo.loss.metrics import SHADOW_STATS, routing_stats
+from megatron_grpo.loss.metrics import SHADOW_STATS, route_disagreements, routing_stats
 from megatron_grpo.loss.policy import weight_center
 from megatron_grpo.loss.stats import masked_sum
 from megatron_grpo.models import forward_logits, sequence_multiple, unwrap
@@ -321,11 +321,15 @@ class TrainStep:
         return select_layers(batch.routes, self.routing.layer_numbers)
 
     def _routing_stats(self, stats: StatSet, batch: StepBatch, train_lp, shadow, shadow_routes) -> None:
-        """Routing agreement of the training forward with the shadow's (the generator's) routing."""
+        """Routing agreement of the training forward with the shadow's (the generator's) routing, over
+        every MoE layer of the model: each pipeline stage counts its own layers' disagreements per token
+        and the counts are summed over the pipeline group (one collective)."""
         used, natural = self.train_routes
         reference = shadow_routes if shadow_routes is not None else used
         beta = train_lp - shadow if shadow is not None else torch.zeros_like(train_lp)
-        routing_stats(stats, used, natural, reference, beta, batch.packed.mask)
+        counts = comm.pipeline_sum(torch.cat([route_disagreements(used, natural, reference).flatten(),
+                                              torch.tensor([used.shape[2]], device=used.device)]))
+        routing_stats(stats, counts[:-1].view(2, *used.shape[:2]), counts[-1], beta, batch.packed.mask)
 
     def forward_backward(self, batch: StepBatch, shadow, ref, replay=None, center=None) -> Tuple[StatSet, torch.Tensor]:
         """The policy loss through Megatron's schedule over micro-batches (MoE: replaying ``replay``
