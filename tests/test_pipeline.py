@@ -1,34 +1,50 @@
-"""Pipeline-parallel training (PP = 2 over gloo, Megatron's 1F1B schedule) equals PP = 1: the first
-step's loss, precision/* and clip/* metrics and grad norm, the updated weights (gathered from both
-stages to HF names), for untied and tied embeddings."""
+"""Pipeline parallelism (PP = 2 over gloo, Megatron's 1F1B schedule) equals PP = 1: the first step's loss,
+precision/*, clip/* and MoE routing metrics and grad norm, the updated weights (gathered from both stages to
+HF names), for untied and tied embeddings, a MoE model (routing metrics over every stage's layers) and
+uneven stages (a 5-layer model split 2 + 3 and 3 + 2: Megatron's uneven-PP fields, placed as Megatron
+places them, their HF weights loaded, exported and pushed at the uneven layer offsets). One 2-rank launch
+serves every check of these; ``--dry-run`` counts each stage's layers of the 94-layer Qwen3-235B at PP = 4 and 8."""
+
+import os
 
 import pytest
 import torch
 
 from tests._dist import run_distributed
+from tests.test_routing import near_tie_moe  # noqa: F401  (a fixture: the MoE case)
 from tests.test_weights import check_pushes, push_twice
 
 ROWS, SEQ = 8, 24
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _one_step(model_dir, pp):
+def _one_step(model_dir, pp, split=None):
     """One TrainStep.run (bf16 shadow: beta != 0) on this rank's share of a fixed batch (PP = 2, or
-    PP = 1 x DP = 2 on the same 2 ranks); returns the metrics, the updated weights under HF names
-    (every stage exports) and the trainer's log-probs of the whole batch."""
+    PP = 1 x DP = 2 on the same 2 ranks; ``split``: uneven stages); returns the metrics, the updated
+    weights under HF names (every stage exports), the trainer's log-probs of the whole batch, two pushes,
+    and the stage's facts: its weights under HF names before the step, its parameter count, layers and offset."""
     from megatron.core import parallel_state as ps
 
     from megatron_grpo.loss import finalize
     from megatron_grpo.observe.metrics_logger import to_host
+    from megatron_grpo.models import unwrap
     from megatron_grpo.models.qwen3 import load_hf_config, shape_from_hf
-    from megatron_grpo.models.weights import export_hf_tensors
+    from megatron_grpo.models.weights import RankPlacement, export_hf_tensors
     from megatron_grpo.parallel import state
+    from megatron_grpo.parallel.stages import PipelineSplit
     from tests.test_routing import _step_batch, _stepper
 
-    state.initialize_model_parallel(state.Layout(world_size=2, pp=pp))
+    split = split or PipelineSplit()
+    state.initialize_model_parallel(state.Layout(world_size=2, pp=pp, split=split))
     _refuse_pickled_tensors()
     st = _stepper(model_dir, "policy.precision.generation_dtype=bfloat16", "loss_fn.ratio_clip_min=0.001",
-                  "loss_fn.ratio_clip_max=0.001", "grpo.deployed_improvement=true")
+                  "loss_fn.ratio_clip_max=0.001", "grpo.deployed_improvement=true", pipeline_split=split)
     st.tp_group, st.dp_group = ps.get_tensor_model_parallel_group(), ps.get_data_parallel_group()
+    shape = shape_from_hf(load_hf_config(st.cfg.policy.model_name))
+    place = RankPlacement.current(st.model)
+    stage = dict(initial={k: v.clone() for k, v in export_hf_tensors(st.model, shape)}, layers=place.num_local_layers,
+                 offset=place.layer_offset, params=sum(p.numel() for p in unwrap(st.model).parameters()),
+                 rank=ps.get_pipeline_model_parallel_rank())
     gen = torch.Generator().manual_seed(3)
     old = -7.0 + 0.01 * torch.randn(ROWS, SEQ, generator=gen)
     dp, rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
@@ -37,10 +53,9 @@ def _one_step(model_dir, pp):
     assert all(v.device == st.last_log_probs[0].device for v in [*stats.sums.values(), *stats.maxes.values()])
     metrics = finalize(*stats.reduce(st.dp_group))
     metrics.update(extra)
-    shape = shape_from_hf(load_hf_config(st.cfg.policy.model_name))
     weights = {k: v.clone() for k, v in export_hf_tensors(st.model, shape)}
     lp = torch.cat(comm_gather(st.last_log_probs[0], ps.get_data_parallel_group()))
-    return to_host(metrics), weights, lp, push_twice(st.model, shape)
+    return to_host(metrics), weights, lp, push_twice(st.model, shape), stage
 
 
 def _refuse_pickled_tensors():
@@ -75,9 +90,18 @@ def comm_gather(tensor, group):
     return parts
 
 
-def _both_layouts(untied, tied):
-    return {name: {pp: _one_step(model_dir, pp) for pp in (1, 2)} for name, model_dir in
-            (("untied", untied), ("tied", tied))}
+UNEVEN = {"first2": dict(num_layers_in_first_pipeline_stage=2),  # 5 layers: 2 + 3
+          "loss": dict(account_for_loss_in_pipeline_split=True)}  # (5 + 1) / 2 = 3 per stage, the last builds 2
+CASES = {"untied": ("untied", [1, 2]), "tied": ("tied", [1, 2]), "moe": ("moe", [1, 2]),
+         "five": ("five", [1, *UNEVEN])}
+"""name: (model, layouts): 1 = PP = 1 x DP = 2, 2 = PP = 2, an UNEVEN key = PP = 2 split so."""
+
+
+def _all_cases(models):
+    from megatron_grpo.parallel.stages import PipelineSplit
+
+    return {name: {lay: _one_step(models[model], 1 if lay == 1 else 2, PipelineSplit(**UNEVEN.get(lay, {})))
+                   for lay in layouts} for name, (model, layouts) in CASES.items()}
 
 
 @pytest.fixture(scope="module")
@@ -87,22 +111,176 @@ def tied_dense(tmp_path_factory):
     return make_tiny_model(str(tmp_path_factory.mktemp("models") / "tied"), "qwen3", tie_word_embeddings=True)
 
 
-def test_pp2_step_equals_pp1(tiny_dense, tied_dense):
+@pytest.fixture(scope="module")
+def five_layers(tmp_path_factory):
+    from megatron_grpo.models.tiny import make_tiny_model
+
+    return make_tiny_model(str(tmp_path_factory.mktemp("models") / "five"), "qwen3",
+                           overrides=dict(num_hidden_layers=5))
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tiny_dense, tied_dense, near_tie_moe, five_layers):
+    """Every case of CASES on 2 gloo ranks, in one launch: each rank's results by case and layout."""
+    return run_distributed(_all_cases, 2, {"untied": tiny_dense, "tied": tied_dense, "moe": near_tie_moe,
+                                           "five": five_layers})
+
+
+def _assert_equal_to_pp1(ranks, name, layout, prefixes=("precision/", "clip/", "loss", "train/grad_norm")):
+    for results in ranks:
+        (ref, ref_w, ref_lp, _, _), (metrics, weights, lp, _, _) = results[name][1], results[name][layout]
+        assert ref["precision/beta_abs_mean"] > 0 and ref["clip/region_fraction"] > 0, name
+        torch.testing.assert_close(lp, ref_lp, atol=1e-5, rtol=0, msg=name)
+        keys = [k for k in ref if k.startswith(prefixes)]
+        assert keys and set(keys) <= set(metrics), (name, layout)
+        for key in keys:
+            assert metrics[key] == pytest.approx(ref[key], abs=1e-5, rel=1e-5), (name, layout, key)
+        assert sorted(weights) == sorted(ref_w)
+        for key, w in ref_w.items():
+            torch.testing.assert_close(weights[key], w, atol=1e-6, rtol=0, msg=f"{name} {layout} {key}")
+
+
+def test_pp2_step_equals_pp1(two_ranks):
     """... and the weight push: stage 1's leader sends its layers to rank 0 (names and shapes on the first
     push only); at PP = 1 x DP = 2 the second replica takes no part in the push at all."""
-    ranks = run_distributed(_both_layouts, 2, tiny_dense, tied_dense)
     for name in ("untied", "tied"):
-        check_pushes([r[name][2][3] for r in ranks], ranks[0][name][2][1])
-        check_pushes([r[name][1][3] for r in ranks], ranks[0][name][1][1])
-        assert ranks[1][name][1][3][0][1] == [] and ranks[1][name][1][3][1][1] == []  # DP replica: no collective
-        assert any(c[0] == "send_object_list" for c in ranks[1][name][2][3][0][1])  # PP: headers, first push
-    for results in ranks:
-        for name, by_pp in results.items():
-            (ref, ref_w, ref_lp, _), (metrics, weights, lp, _) = by_pp[1], by_pp[2]
-            assert ref["precision/beta_abs_mean"] > 0 and ref["clip/region_fraction"] > 0, name
-            torch.testing.assert_close(lp, ref_lp, atol=1e-5, rtol=0, msg=name)
-            for key in [k for k in ref if k.startswith(("precision/", "clip/", "loss", "train/grad_norm"))]:
-                assert metrics[key] == pytest.approx(ref[key], abs=1e-5, rel=1e-5), (name, key)
-            assert sorted(weights) == sorted(ref_w)
-            for key, w in ref_w.items():
-                torch.testing.assert_close(weights[key], w, atol=1e-6, rtol=0, msg=f"{name} {key}")
+        check_pushes([r[name][2][3] for r in two_ranks], two_ranks[0][name][2][1])
+        check_pushes([r[name][1][3] for r in two_ranks], two_ranks[0][name][1][1])
+        assert two_ranks[1][name][1][3][0][1] == [] and two_ranks[1][name][1][3][1][1] == []  # DP replica: none
+        assert any(c[0] == "send_object_list" for c in two_ranks[1][name][2][3][0][1])  # PP: headers, first push
+        _assert_equal_to_pp1(two_ranks, name, 2)
+
+
+def test_moe_routing_metrics_at_pp2_cover_every_stages_layers(two_ranks):
+    """A MoE model (one MoE layer per stage at PP = 2) with a bf16 generator whose router flips near-tied
+    experts: every rank's routing agreement and route-mismatch fractions count both stages' layers (summed
+    over the pipeline group) and equal PP = 1's, as do the rest of the step's metrics."""
+    _assert_equal_to_pp1(two_ranks, "moe", 2, prefixes=("moe/", "precision/", "clip/", "loss", "train/grad_norm"))
+    ref = two_ranks[0]["moe"][1][0]
+    assert ref["moe/route_mismatch_fraction"] > 0.01 and ref["moe/tokens_any_mismatch"] > 0.02
+    for results in two_ranks:
+        metrics = results["moe"][2][0]
+        for key in ("moe/route_mismatch_fraction", "moe/tokens_any_mismatch", "moe/route_replayed_fraction",
+                    "precision/beta_abs_mean_route_mismatch", "precision/beta_abs_mean_route_match"):
+            assert metrics[key] == pytest.approx(ref[key], abs=1e-12, rel=1e-9), key
+    check_pushes([r["moe"][2][3] for r in two_ranks], two_ranks[0]["moe"][2][1])
+
+
+def test_uneven_stages_place_load_train_and_push_like_pp1(two_ranks, five_layers):
+    """A 5-layer model at PP = 2 (PP does not divide it), split 2 + 3 (``num_layers_in_first_pipeline_stage``)
+    and 3 + 2 (``account_for_loss_in_pipeline_split``): each stage builds the layers ``PipelineSplit`` says,
+    at its offset; the HF weights land on the right layers (exported before the step: the HF file, bitwise),
+    the memory plan's parameter count is the stage's own, one step equals PP = 1 and the push carries every
+    layer's updated weights."""
+    from safetensors.torch import load_file
+
+    from megatron_grpo.models.qwen3 import load_hf_config, shape_from_hf
+    from megatron_grpo.parallel.stages import PipelineSplit
+    from megatron_grpo.trainer.plan import count_params
+
+    original, shape = load_file(f"{five_layers}/model.safetensors"), shape_from_hf(load_hf_config(five_layers))
+    for layout, fields in UNEVEN.items():
+        split = PipelineSplit(**fields)
+        layers, offsets = split.layers_per_stage(5, 2), split.offsets(5, 2)
+        assert layers == {"first2": [2, 3], "loss": [3, 2]}[layout]
+        for results in two_ranks:
+            stage = results["five"][layout][4]
+            s = stage["rank"]
+            assert (stage["layers"], stage["offset"]) == (layers[s], offsets[s]), (layout, stage)
+            assert stage["params"] == count_params(shape, pp=2, stage=s, num_layers_local=layers[s]).num_local
+            assert set(stage["initial"]) == set(original)
+            for key, tensor in original.items():
+                assert torch.equal(stage["initial"][key], tensor), (layout, key)
+        _assert_equal_to_pp1(two_ranks, "five", layout)
+        check_pushes([r["five"][layout][3] for r in two_ranks], two_ranks[0]["five"][layout][1])
+
+
+SPLITS = [  # (num_layers, pp, PipelineSplit fields)
+    (4, 2, {}), (5, 2, dict(num_layers_in_first_pipeline_stage=2)), (5, 2, dict(num_layers_in_last_pipeline_stage=1)),
+    (94, 4, dict(num_layers_in_first_pipeline_stage=22, num_layers_in_last_pipeline_stage=24)),
+    (94, 8, dict(num_layers_in_first_pipeline_stage=10)), (94, 4, dict(account_for_embedding_in_pipeline_split=True,
+                                                                        account_for_loss_in_pipeline_split=True)),
+    (94, 8, dict(account_for_embedding_in_pipeline_split=True, account_for_loss_in_pipeline_split=True)),
+    (7, 4, dict(account_for_embedding_in_pipeline_split=True)), (7, 2, dict(account_for_loss_in_pipeline_split=True)),
+]
+BAD_SPLITS = [(94, 4, {}), (5, 2, dict(num_layers_in_first_pipeline_stage=5)),
+              (94, 4, dict(num_layers_in_first_pipeline_stage=23)), (6, 2, dict(account_for_loss_in_pipeline_split=True)),
+              (3, 4, dict(account_for_embedding_in_pipeline_split=True))]
+
+
+def test_pipeline_split_places_layers_as_megatron_does():
+    """``PipelineSplit`` (pure arithmetic, used by the dry run, the memory plan and validation) against
+    Megatron-Core's own ``get_num_layers_to_build`` / ``get_transformer_layer_offset`` for every stage of
+    even, uneven-first / last and embedding / loss-accounted splits; impossible splits are a ValueError
+    naming the keys (Megatron's ``TransformerConfig`` refuses them too, or builds a stage without layers)."""
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    from megatron_grpo.parallel.stages import PipelineSplit
+
+    def config(num_layers, pp, fields):
+        return TransformerConfig(num_layers=num_layers, hidden_size=64, num_attention_heads=4,
+                                 pipeline_model_parallel_size=pp, pipeline_dtype=torch.float32,
+                                 use_cpu_initialization=True, **PipelineSplit(**fields).config_kwargs(pp))
+
+    for num_layers, pp, fields in SPLITS:
+        split, c = PipelineSplit(**fields), config(num_layers, pp, fields)
+        expected = [get_num_layers_to_build(c, pp_rank=s) for s in range(pp)]
+        assert split.layers_per_stage(num_layers, pp) == expected and sum(expected) == num_layers, (fields, expected)
+        assert split.offsets(num_layers, pp) == [get_transformer_layer_offset(c, pp_rank=s) for s in range(pp)]
+    for num_layers, pp, fields in BAD_SPLITS:
+        with pytest.raises(ValueError, match="policy.megatron_cfg"):
+            PipelineSplit(**fields).layers_per_stage(num_layers, pp)
+        try:
+            c = config(num_layers, pp, fields)
+            assert 0 in [get_num_layers_to_build(c, pp_rank=s) for s in range(pp)]  # Megatron: an empty stage
+        except (ValueError, AssertionError):
+            pass
+
+
+def _dry_run_json(capsys, overrides, world=64):
+    import json
+
+    from megatron_grpo.trainer.launch import main
+
+    code = main("recipes/grpo-qwen3-235b-a22b-8x8gpu.yaml", overrides, dry_run=True, world_size=world, as_json=True)
+    out = capsys.readouterr().out
+    return code, (json.loads(out) if code == 0 else out)
+
+
+@pytest.mark.parametrize("pp, ep, fields, layers", [
+    (4, 16, dict(num_layers_in_first_pipeline_stage=23, num_layers_in_last_pipeline_stage=23), [23, 24, 24, 23]),
+    (8, 8, dict(account_for_embedding_in_pipeline_split=True, account_for_loss_in_pipeline_split=True),
+     [11, 12, 12, 12, 12, 12, 12, 11]),
+])
+def test_dry_run_plans_the_94_layer_235b_over_uneven_stages(pp, ep, fields, layers, capsys, monkeypatch):
+    """Qwen3-235B-A22B (94 layers) at PP = 4 and PP = 8 on 64 GPUs: refused without uneven stages (naming the
+    keys that fix it); with them the dry run lists each stage's layers and plans every stage with its own
+    layer count: the planned rank's parameters are its layers' (the per-layer count, by hand, times that
+    stage's layers, plus the embedding on stage 0)."""
+    from megatron_grpo.config.recipe import load_recipe
+    from megatron_grpo.models.qwen3 import load_hf_config, shape_from_hf
+    from megatron_grpo.trainer.plan import GIB, count_params
+
+    monkeypatch.chdir(ROOT)
+    base = [f"policy.megatron_cfg.pipeline_model_parallel_size={pp}", f"policy.megatron_cfg.expert_model_parallel_size={ep}"]
+    code, out = _dry_run_json(capsys, base)
+    assert code == 2 and "num_layers_in_first_pipeline_stage" in out and "num_hidden_layers=94" in out
+    keys = [f"policy.megatron_cfg.{k}={str(v).lower()}" for k, v in fields.items()]
+    code, out = _dry_run_json(capsys, base + keys)
+    assert code == 0 and out["layout"]["layers_per_stage"] == layers
+    memory = out["memory"]
+    stage = memory["stage"]
+    assert memory["layers_per_stage"] == layers and stage in (0, pp - 1)
+    cfg = load_recipe("recipes/grpo-qwen3-235b-a22b-8x8gpu.yaml", base + keys)
+    shape = shape_from_hf(load_hf_config(cfg.policy.model_name))
+    h, tp = shape.hidden_size, 4
+    attention = h * (shape.num_heads + 2 * shape.num_kv_heads) * shape.head_dim // tp + shape.num_heads * shape.head_dim * h // tp
+    dense_layer = attention + 2 * h + 2 * shape.head_dim + shape.num_experts * h  # norms, q/k norms, router
+    expert_layer = 3 * h * shape.moe_ffn_hidden_size * shape.num_experts // ep
+    embedding = shape.vocab_size * h // tp
+    expected = layers[stage] * (dense_layer + expert_layer) + (embedding if stage == 0 else embedding + h)
+    params = next(t for t in memory["terms"] if t["name"] == "parameters")
+    assert params["bytes"] == 4 * expected, (params["bytes"] / GIB, 4 * expected / GIB)
+    assert count_params(shape, tp=4, pp=pp, ep=ep, stage=stage, num_layers_local=layers[stage]).num_local == expected

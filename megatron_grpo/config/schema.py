@@ -22,6 +22,7 @@ from megatron_grpo.config.logger import LoggerConfig, MLflowConfig, WandbConfig 
 from megatron_grpo.config.optim import DDPConfig, OptimizerConfig, SchedulerConfig
 from megatron_grpo.loss import ADVANTAGE_ESTIMATORS
 from megatron_grpo.loss.config import LossConfig
+from megatron_grpo.parallel.stages import PipelineSplit, check_split
 
 logger = logging.getLogger(__name__)
 
@@ -110,6 +111,16 @@ class MegatronConfig:
     """TP: splits each GEMM across ranks."""
     pipeline_model_parallel_size: int = 1
     """PP: splits the layers across ranks (Megatron's 1F1B schedule; the loss runs on the last stage)."""
+    num_layers_in_first_pipeline_stage: Optional[int] = None
+    """Uneven PP (Megatron's name): decoder layers on the first stage, the rest split evenly over the
+    others; null = even split (PP must then divide the layers)."""
+    num_layers_in_last_pipeline_stage: Optional[int] = None
+    """Uneven PP: decoder layers on the last stage (with or without the first stage's count)."""
+    account_for_embedding_in_pipeline_split: bool = False
+    """Uneven PP: the embedding counts as one layer, so the first stage builds one decoder layer fewer
+    (layers + 1 [+ 1] split evenly; not with num_layers_in_first/last_pipeline_stage)."""
+    account_for_loss_in_pipeline_split: bool = False
+    """Uneven PP: the output layer and loss count as one layer, so the last stage builds one decoder layer fewer."""
     expert_model_parallel_size: int = 1
     """EP: splits MoE experts across ranks."""
     expert_tensor_parallel_size: int = 1
@@ -141,6 +152,10 @@ class MegatronConfig:
     """Megatron's DDP (gradient buffers and their reduction)."""
 
     def __post_init__(self):
+        check_split(self.pipeline_split)
+        if self.pipeline_model_parallel_size == 1 and not self.pipeline_split.is_even:
+            logger.warning("policy.megatron_cfg: %s has no effect with pipeline_model_parallel_size=1",
+                           self.pipeline_split.describe())
         if self.transformer_impl not in ("auto", "te", "local"):
             raise ValueError(f"policy.megatron_cfg.transformer_impl must be auto, te or local, got {self.transformer_impl!r}")
         if self.moe_router_dtype not in ("fp32", "fp64"):
@@ -150,6 +165,12 @@ class MegatronConfig:
                              f"got {self.moe_routing_replay!r}")
         if self.moe_aux_loss_coeff < 0 or self.moe_z_loss_coeff < 0:
             raise ValueError("policy.megatron_cfg.moe_aux_loss_coeff and moe_z_loss_coeff must be >= 0")
+
+    @property
+    def pipeline_split(self) -> PipelineSplit:
+        """The four uneven-PP fields as one ``PipelineSplit``."""
+        return PipelineSplit(self.num_layers_in_first_pipeline_stage, self.num_layers_in_last_pipeline_stage,
+                             self.account_for_embedding_in_pipeline_split, self.account_for_loss_in_pipeline_split)
 
 
 @dataclass

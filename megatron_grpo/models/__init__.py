@@ -18,14 +18,17 @@ from megatron_grpo.models.qwen3 import (
     unwrap,
 )
 from megatron_grpo.models.weights import load_hf_weights
+from megatron_grpo.parallel.stages import PipelineSplit
 
 
 def build_from_hf(model_dir: str, *, params_dtype: torch.dtype = torch.float32, router_dtype: str = "fp32",
                   backend: str = "auto", load_weights: bool = True, moe_aux_loss_coeff: float = 0.0,
-                  moe_z_loss_coeff: float = 0.0, sequence_parallel: Optional[bool] = None):
+                  moe_z_loss_coeff: float = 0.0, sequence_parallel: Optional[bool] = None,
+                  pipeline_split: Optional[PipelineSplit] = None):
     """Builds this rank's Megatron ``GPTModel`` for an HF Qwen3 / Llama checkpoint dir (parallel state must be set).
 
-    ``sequence_parallel``: ``policy.megatron_cfg.sequence_parallel`` (None = on when TP > 1).
+    ``sequence_parallel``: ``policy.megatron_cfg.sequence_parallel`` (None = on when TP > 1);
+    ``pipeline_split``: how the layers split over the pipeline stages (None: evenly).
     Returns ``(model, shape)``; the model holds the checkpoint's weights unless ``load_weights=False``.
     """
     from megatron.core import parallel_state as ps
@@ -38,7 +41,7 @@ def build_from_hf(model_dir: str, *, params_dtype: torch.dtype = torch.float32, 
         shape, params_dtype=params_dtype, tp=tp, pp=ps.get_pipeline_model_parallel_world_size(),
         ep=ps.get_expert_model_parallel_world_size(), etp=ps.get_expert_tensor_parallel_world_size(),
         router_dtype=router_dtype, moe_aux_loss_coeff=moe_aux_loss_coeff, moe_z_loss_coeff=moe_z_loss_coeff,
-        sequence_parallel=resolve_sequence_parallel(sequence_parallel, tp, shape),
+        sequence_parallel=resolve_sequence_parallel(sequence_parallel, tp, shape), pipeline_split=pipeline_split,
     )
     model = build_gpt_model(shape, config, backend=backend)
     if load_weights:

@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from megatron_grpo.compat.megatron import clear_module_caches, destroy_model_parallel
 from megatron_grpo.parallel import cpu, net
+from megatron_grpo.parallel.stages import PipelineSplit
 
 logger = logging.getLogger(__name__)
 
@@ -28,6 +29,8 @@ class Layout:
     ep: int = 1
     etp: int = 1
     cp: int = 1
+    split: PipelineSplit = PipelineSplit()
+    """How the decoder layers split over the ``pp`` stages (even unless Megatron's uneven fields are set)."""
 
     @property
     def dp(self) -> int:
@@ -52,8 +55,8 @@ def validate_layout(layout: Layout, *, num_layers: Optional[int] = None, num_exp
         raise ValueError(f"{prefix}.expert_model_parallel_size ({layout.ep}) x {prefix}.expert_tensor_parallel_size "
                          f"({layout.etp}) = {layout.ep * layout.etp} does not divide world size / "
                          f"{prefix}.pipeline_model_parallel_size = {layout.world_size // layout.pp}")
-    if num_layers is not None and num_layers % layout.pp:
-        raise ValueError(f"{prefix}.pipeline_model_parallel_size={layout.pp} does not divide num_hidden_layers={num_layers}")
+    if num_layers is not None:
+        layout.split.layers_per_stage(num_layers, layout.pp)  # ValueError naming the keys
     if layout.ep > 1 and num_experts is not None and not num_experts:
         raise ValueError(f"{prefix}.expert_model_parallel_size={layout.ep} needs a MoE model (num_experts > 0)")
     if num_experts and num_experts % layout.ep:

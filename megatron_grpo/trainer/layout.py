@@ -21,7 +21,8 @@ from megatron_grpo.trainer.plan import check_fits, format_plan, memory_plan
 def layout_of(cfg: Config, world_size: int) -> Layout:
     m = cfg.policy.megatron_cfg
     return Layout(world_size=world_size, tp=m.tensor_model_parallel_size, pp=m.pipeline_model_parallel_size,
-                  ep=m.expert_model_parallel_size, etp=m.expert_tensor_parallel_size, cp=m.context_parallel_size)
+                  ep=m.expert_model_parallel_size, etp=m.expert_tensor_parallel_size, cp=m.context_parallel_size,
+                  split=m.pipeline_split)
 
 
 def resolve_model_dir(cfg: Config) -> str:
@@ -67,8 +68,11 @@ def describe_layout(cfg: Config, world_size: int) -> Dict:
     local = min(world_size, node) if node else None  # rank 0's node on the cluster the recipe describes
     engines = [dict(engine=s.index, driver_rank=0, ranks=s.ranks, devices=s.devices, url=s.url)
                for s in engine_placement(cfg.generation, world_size, local, node)]
-    return {"config": to_dict(cfg), "layout": {"world_size": layout.world_size, "tp": layout.tp, "pp": layout.pp,
-                                               "cp": layout.cp, "ep": layout.ep, "etp": layout.etp, "dp": layout.dp},
+    described = {"world_size": layout.world_size, "tp": layout.tp, "pp": layout.pp, "cp": layout.cp, "ep": layout.ep,
+                 "etp": layout.etp, "dp": layout.dp}
+    if shape is not None:  # the decoder layers of each pipeline stage
+        described["layers_per_stage"] = layout.split.layers_per_stage(shape.num_layers, layout.pp)
+    return {"config": to_dict(cfg), "layout": described,
             "memory": plan.to_dict() if plan else None, "memory_table": format_plan(plan) if plan else None,
             "engines": engines, "engines_table": format_placement(cfg.generation, world_size, local)}
 

@@ -83,6 +83,8 @@ class MemoryPlan:
     distributed_optimizer: bool
     """Which optimizer column ``total`` counts (policy.megatron_cfg.optimizer.use_distributed_optimizer)."""
     budget_gib: Optional[float] = None
+    layers_per_stage: Optional[List[int]] = None
+    """Decoder layers of every pipeline stage (uneven with Megatron's uneven-PP keys)."""
 
     def term(self, name: str) -> Term:
         return next(t for t in self.terms if t.name == name)
@@ -119,9 +121,10 @@ def _layer_params(shape: ModelShape, tp: int) -> Tuple[int, int]:
 
 
 def count_params(shape: ModelShape, *, tp: int = 1, pp: int = 1, ep: int = 1, etp: int = 1,
-                 stage: int = 0) -> ParamCount:
-    """Parameters of pipeline ``stage`` on one rank (Megatron's GPTModel for Qwen3 / Qwen3-MoE / Llama)."""
-    num_layers_local = shape.num_layers // pp
+                 stage: int = 0, num_layers_local: Optional[int] = None) -> ParamCount:
+    """Parameters of pipeline ``stage`` on one rank (Megatron's GPTModel for Qwen3 / Qwen3-MoE / Llama)
+    holding ``num_layers_local`` decoder layers (None: an even split, layers / PP)."""
+    num_layers_local = shape.num_layers // pp if num_layers_local is None else num_layers_local
     dense, expert = _layer_params(shape, tp)
     embedding = shape.vocab_size * shape.hidden_size // tp
     num_dense = num_layers_local * dense
@@ -237,12 +240,18 @@ def layer_activation_bytes(cfg: Config, shape: ModelShape) -> Tuple[float, float
     return per_layer * scale, 2 * s * b * h * scale / (tp if sp else 1)
 
 
+def stage_layers(cfg: Config, shape: ModelShape) -> List[int]:
+    """Decoder layers of each pipeline stage (``policy.megatron_cfg``'s uneven-PP keys, else even)."""
+    m = cfg.policy.megatron_cfg
+    return m.pipeline_split.layers_per_stage(shape.num_layers, m.pipeline_model_parallel_size)
+
+
 def _activation_terms(cfg: Config, shape: ModelShape, stage: int, dp: int) -> List[Term]:
     """Activations of the micro-batches in flight (1F1B: stage k holds min(PP - k, micro-batches))."""
     pp = cfg.policy.megatron_cfg.pipeline_model_parallel_size
     num_in_flight = min(pp - stage, _num_micro_batches(cfg, dp))
     per_layer, layer_input = layer_activation_bytes(cfg, shape)
-    num_layers_local = shape.num_layers // pp
+    num_layers_local = stage_layers(cfg, shape)[stage]
     where = f"{num_layers_local} layers x {num_in_flight} micro-batch(es) in flight"
     return [
         Term("activations (no recompute)", per_layer * num_layers_local * num_in_flight, ACTIVATION_KEYS,
@@ -380,14 +389,14 @@ def _reference_term(cfg: Config, count: ParamCount) -> Term:
                 + LAYOUT_KEYS + EXPERT_KEYS, f"a frozen copy of this rank's parameters in {dtype} (no grads, no state)")
 
 
-def _moe_terms(cfg: Config, shape: ModelShape, dp: int) -> List[Term]:
+def _moe_terms(cfg: Config, shape: ModelShape, dp: int, stage: int = 0) -> List[Term]:
     """MoE on top of the dense activation estimate: each micro-batch's tokens dispatched to top-k experts
     (the expert input, fc1's gate+up output and the activation, in the compute dtype, expert-TP splitting
     the FFN) and the router's fp32 logits and probabilities; and the routing records of the step."""
     m, p = cfg.policy.megatron_cfg, cfg.policy.precision
     pp = m.pipeline_model_parallel_size
     tokens = cfg.policy.train_micro_batch_size * cfg.generation.max_model_len / m.context_parallel_size
-    size, layers = DTYPES[p.compute_dtype].itemsize, shape.num_layers // pp
+    size, layers = DTYPES[p.compute_dtype].itemsize, stage_layers(cfg, shape)[stage]
     f = shape.moe_ffn_hidden_size / m.expert_tensor_parallel_size
     tp = m.tensor_model_parallel_size
     sp = resolve_sequence_parallel(m.sequence_parallel, tp, shape)
@@ -414,12 +423,13 @@ def _stage_plan(cfg: Config, shape: ModelShape, world_size: int, stage: int) -> 
     tp, pp, ep, etp = (m.tensor_model_parallel_size, m.pipeline_model_parallel_size, m.expert_model_parallel_size,
                        m.expert_tensor_parallel_size)
     dp, expert_dp = world_size // (tp * pp * m.context_parallel_size), world_size // (ep * etp * pp)
-    count = count_params(shape, tp=tp, pp=pp, ep=ep, etp=etp, stage=stage)
+    layers = stage_layers(cfg, shape)
+    count = count_params(shape, tp=tp, pp=pp, ep=ep, etp=etp, stage=stage, num_layers_local=layers[stage])
     terms = _state_terms(cfg, count, dp * m.context_parallel_size, expert_dp) + _activation_terms(cfg, shape, stage, dp)
     if stage == pp - 1:
         terms += _logit_terms(cfg, shape)
     if shape.is_moe:
-        terms += _moe_terms(cfg, shape, dp)
+        terms += _moe_terms(cfg, shape, dp, stage)
     if cfg.loss_fn.reference_policy_kl_penalty > 0:
         terms.append(_reference_term(cfg, count))
     if cfg.generation.backend != "megatron":  # the megatron engine uses the trainer's weights: nothing is pushed
@@ -431,13 +441,14 @@ def _stage_plan(cfg: Config, shape: ModelShape, world_size: int, stage: int) -> 
     terms.append(_headroom_term())
     return MemoryPlan(stage=stage, num_stages=pp, dp=dp, expert_dp=expert_dp, terms=terms,
                       distributed_optimizer=cfg.policy.megatron_cfg.optimizer.use_distributed_optimizer,
-                      budget_gib=cfg.cluster.gpu_memory_gib)
+                      budget_gib=cfg.cluster.gpu_memory_gib, layers_per_stage=layers)
 
 
 def memory_plan(cfg: Config, shape: ModelShape, world_size: int) -> MemoryPlan:
-    """The plan of the most loaded rank: rank 0 (first stage, embedding, generator) or the last stage."""
+    """The plan of the most loaded rank: rank 0 (first stage, embedding, generator), the last stage, or
+    (uneven PP) a stage between with more layers; the first of equals."""
     pp = cfg.policy.megatron_cfg.pipeline_model_parallel_size
-    return max((_stage_plan(cfg, shape, world_size, s) for s in {0, pp - 1}), key=lambda plan: plan.total)
+    return max((_stage_plan(cfg, shape, world_size, s) for s in range(pp)), key=lambda plan: plan.total)
 
 
 def check_fits(plan: MemoryPlan, cfg: Config, shape: ModelShape) -> None:
@@ -465,7 +476,9 @@ def check_fits(plan: MemoryPlan, cfg: Config, shape: ModelShape) -> None:
 def format_plan(plan: MemoryPlan) -> str:
     """The plan as a text table (GiB per rank)."""
     optimizer = "distributed" if plan.distributed_optimizer else "replicated"
-    lines = [f"memory plan (GiB per rank; pipeline stage {plan.stage} of {plan.num_stages}, DP={plan.dp}, "
+    layers = f", {plan.layers_per_stage[plan.stage]} of {sum(plan.layers_per_stage)} layers" \
+        if plan.layers_per_stage else ""
+    lines = [f"memory plan (GiB per rank; pipeline stage {plan.stage} of {plan.num_stages}{layers}, DP={plan.dp}, "
              f"expert-DP={plan.expert_dp}):", f"  {'term':<30} {'GiB':>9}  note"]
     lines += [f"  {t.name:<30} {t.bytes / GIB:>9.2f}  {t.note}" for t in plan.terms]
     budget = "no check (cluster.gpu_memory_gib: null)" if plan.budget_gib is None else f"{plan.budget_gib:g}"
