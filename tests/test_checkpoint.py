@@ -257,7 +257,8 @@ def _trainer(st, model_dir, root, step, async_save=False):
 
     ctx = NS(rank=dist.get_rank(), optimizer=st.optimizer, model=st.model, sampler=NS(position=10 * step),
              model_dir=model_dir)
-    return NS(ctx=ctx, cfg=NS(checkpointing=NS(checkpoint_dir=root, keep_last_n=3, async_save=async_save)),
+    return NS(ctx=ctx, cfg=NS(checkpointing=NS(checkpoint_dir=root, keep_last_n=3, async_save=async_save,
+                                               fully_parallel_load=True)),
               step=step, version=step, gate=NS(dropped=step), consecutive_skips=0, probe=None)
 
 

@@ -6,6 +6,7 @@ places them, their HF weights loaded, exported and pushed at the uneven layer of
 serves every check of these; ``--dry-run`` counts each stage's layers of the 94-layer Qwen3-235B at PP = 4 and 8."""
 
 import os
+import sys
 
 import pytest
 import torch
@@ -16,6 +17,8 @@ from tests.test_weights import check_pushes, push_twice
 
 ROWS, SEQ = 8, 24
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "tools"))
+from bench_checkpoint_load import read_bytes  # noqa: E402  (tools/: torch_dist's read counter)
 
 
 def _one_step(model_dir, pp, split=None):
@@ -284,3 +287,246 @@ def test_dry_run_plans_the_94_layer_235b_over_uneven_stages(pp, ep, fields, laye
     params = next(t for t in memory["terms"] if t["name"] == "parameters")
     assert params["bytes"] == 4 * expected, (params["bytes"] / GIB, 4 * expected / GIB)
     assert count_params(shape, tp=4, pp=pp, ep=ep, stage=stage, num_layers_local=layers[stage]).num_local == expected
+
+
+# ---- checkpoints at PP = 2 (4 ranks, one launch): resume, fully parallel load, PP = 2 -> 1, export ----------
+
+def _build(model_dir, split=None, **layout):
+    """A stepper at ``layout`` on every rank of the world (``split``: uneven stages) and this rank's rows."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from megatron_grpo.parallel import state
+    from megatron_grpo.parallel.stages import PipelineSplit
+    from tests.test_routing import ROWS, _stepper
+
+    split = split or PipelineSplit()
+    state.init_distributed()
+    state.initialize_model_parallel(state.Layout(world_size=dist.get_world_size(), split=split, **layout))
+    st = _stepper(model_dir, pipeline_split=split)
+    st.tp_group, st.dp_group = ps.get_tensor_model_parallel_group(), ps.get_data_parallel_group()
+    dp, rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    return st, slice(rank * ROWS // dp, (rank + 1) * ROWS // dp)
+
+
+CKPT_CASES = {  # name: (model, layout at save, async save)
+    "dense": ("tied", dict(pp=2), False),  # PP = 2 x DP = 2, tied embeddings
+    "moe": ("moe", dict(pp=2, ep=2), True),  # PP = 2 x EP = 2, saved in the background
+    "uneven": ("five", dict(pp=2, split=dict(num_layers_in_first_pipeline_stage=2)), False),  # 2 + 3, DP = 2
+}
+
+
+def _layout_args(layout):
+    from megatron_grpo.parallel.stages import PipelineSplit
+
+    layout = dict(layout)
+    return dict(layout, split=PipelineSplit(**layout.pop("split", {})))
+
+
+def _save_at_pp2(models, root):
+    """Each case at its PP = 2 layout: step 1, its weights under HF names, a save (``moe``: asynchronous,
+    finalized after step 2), step 2 (the uninterrupted run). ``dense``: then a fresh model and optimizer
+    load step 1 with every DP replica reading (bytes counted), and again with the fully parallel load,
+    each followed by step 2."""
+    from megatron_grpo.checkpoint import resume
+    from megatron_grpo.models.qwen3 import load_hf_config, shape_from_hf
+    from megatron_grpo.models.weights import export_hf_tensors
+    from tests.test_checkpoint import _train_step, _trainer
+
+    out = {}
+    for name, (model, layout, async_save) in CKPT_CASES.items():
+        st, rows = _build(models[model], **_layout_args(layout))
+        ck = os.path.join(root, name)
+        _train_step(st, rows, 1)
+        shape = shape_from_hf(load_hf_config(models[model]))
+        hf = {k: v.clone() for k, v in export_hf_tensors(st.model, shape, include_tied_lm_head=False)}
+        resume.save_checkpoint(_trainer(st, models[model], ck, 1, async_save))
+        out[name] = dict(hf=hf, straight=_train_step(st, rows, 2),
+                         latest_before_finish=ckpt_latest(ck), finished=resume.finish_pending_save())
+        if name == "dense":
+            for fully_parallel in (False, True):
+                again, rows = _build(models[model], **_layout_args(layout))
+                trainer = _trainer(again, models[model], ck, 0)
+                trainer.cfg.checkpointing.fully_parallel_load = fully_parallel
+                with read_bytes() as nbytes:
+                    resume.load_checkpoint(trainer, ckpt_dir(ck, 1))
+                out[name][f"resumed_fp{int(fully_parallel)}"] = nbytes[0], _train_step(again, rows, 2)
+        elif name == "moe":
+            again, rows = _build(models[model], **_layout_args(layout))
+            resume.load_checkpoint(_trainer(again, models[model], ck, 0), ckpt_dir(ck, 1))
+            out[name]["resumed"] = _train_step(again, rows, 2)
+    return out
+
+
+def _load_at_pp1(models, root):
+    """PP = 1 x DP = 4 (the MoE: x EP = 2): each PP = 2 checkpoint of step 1 loaded, then step 2; the dense
+    and uneven ones saved again at PP = 1 (for the export). Then the 5-layer checkpoint loaded into the
+    4-layer model: the error."""
+    from megatron_grpo.checkpoint import folders as ckpt
+    from megatron_grpo.checkpoint import resume
+    from tests.test_checkpoint import _train_step, _trainer
+
+    out = {}
+    for name, (model, layout, _) in CKPT_CASES.items():
+        st, rows = _build(models[model], ep=layout.get("ep", 1))
+        trainer = _trainer(st, models[model], os.path.join(root, name), 0)
+        resume.load_checkpoint(trainer, ckpt_dir(os.path.join(root, name), 1))
+        out[name] = dict(position=trainer.ctx.sampler.position, step=trainer.step,
+                         layout=ckpt.read_trainer_state(ckpt_dir(os.path.join(root, name), 1))["layout"])
+        if name != "moe":
+            resume.save_checkpoint(_trainer(st, models[model], os.path.join(root, f"{name}-pp1"), 1))
+        out[name]["resumed"] = _train_step(st, rows, 2)
+    st, _ = _build(models["untied"])
+    try:
+        resume.load_checkpoint(_trainer(st, models["untied"], root, 0), ckpt_dir(os.path.join(root, "uneven"), 1))
+    except ckpt.CheckpointError as exc:
+        out["error"] = str(exc)
+    return out
+
+
+def ckpt_dir(root, step):
+    from megatron_grpo.checkpoint import folders as ckpt
+
+    return ckpt.step_dir(root, step)
+
+
+def ckpt_latest(root):
+    from megatron_grpo.checkpoint import folders as ckpt
+
+    return ckpt.latest_step(root)
+
+
+def _save_then_load(models, root):
+    return _save_at_pp2(models, root), _load_at_pp1(models, root)
+
+
+@pytest.fixture(scope="module")
+def pp2_checkpoints(tmp_path_factory, tiny_dense, tied_dense, near_tie_moe, five_layers):
+    """CKPT_CASES saved at PP = 2, then loaded at PP = 1, on 4 ranks (one launch)."""
+    models = {"untied": tiny_dense, "tied": tied_dense, "moe": near_tie_moe, "five": five_layers}
+    root = str(tmp_path_factory.mktemp("pp2-checkpoints"))
+    saved, loaded = zip(*run_distributed(_save_then_load, 4, models, root))
+    return root, models, list(saved), list(loaded)
+
+
+def _assert_same_step(got, want, exact=True):
+    (metrics, lp), (ref, ref_lp) = got, want
+    assert set(metrics) == set(ref)
+    for key, value in ref.items():
+        if exact:
+            assert metrics[key] == value or (value != value and metrics[key] != metrics[key]), key
+        else:
+            assert metrics[key] == pytest.approx(value, rel=1e-5, abs=1e-6, nan_ok=True), key
+    torch.testing.assert_close(lp, ref_lp, rtol=0, atol=0 if exact else 1e-6)
+
+
+def test_resume_at_pp2_equals_the_uninterrupted_run(pp2_checkpoints):
+    """Dense PP = 2 x DP = 2 (tied embeddings) and MoE PP = 2 x EP = 2: step 1, save, a fresh model and
+    optimizer loading it, step 2: every metric and the log-probs after the update equal the uninterrupted
+    step 2 bitwise. The MoE's save is asynchronous at PP = 2: not ``latest`` until finished, then final."""
+    root, _, saved, _ = pp2_checkpoints
+    for rank in saved:
+        dense, moe = rank["dense"], rank["moe"]
+        for fully_parallel in (0, 1):
+            _assert_same_step(dense[f"resumed_fp{fully_parallel}"][1], dense["straight"])
+        _assert_same_step(moe["resumed"], moe["straight"])
+        assert moe["latest_before_finish"] is None and moe["finished"] == ckpt_dir(os.path.join(root, "moe"), 1)
+        assert dense["latest_before_finish"] == 1 and dense["finished"] is None
+    from megatron_grpo.checkpoint import folders as ckpt
+
+    for name in CKPT_CASES:
+        ckpt.verify(ckpt_dir(os.path.join(root, name), 1))
+
+
+def test_fully_parallel_load_reads_each_replicated_shard_once(pp2_checkpoints):
+    """PP = 2 x DP = 2 without the distributed optimizer: the model and optimizer shards of each stage are
+    replicated over DP. Read by every replica, each DP rank reads its stage's whole state; with Megatron's
+    fully parallel load the two replicas split it (together they read what one did, each less) and
+    exchange the rest, and the resumed step is the same bitwise (previous test)."""
+    _, _, saved, _ = pp2_checkpoints
+    plain = [rank["dense"]["resumed_fp0"][0] for rank in saved]
+    fully = [rank["dense"]["resumed_fp1"][0] for rank in saved]
+    for stage in (0, 1):  # ranks 2s, 2s + 1: the DP pair of stage s (Megatron's order: DP inside PP)
+        a, b = 2 * stage, 2 * stage + 1
+        assert plain[a] == plain[b] > 0
+        assert fully[a] + fully[b] == plain[a] and 0 < fully[a] < plain[a] and 0 < fully[b] < plain[b], (plain, fully)
+
+
+def test_pp2_checkpoints_load_at_pp1_and_export_like_pp1(pp2_checkpoints, tmp_path):
+    """Each PP = 2 checkpoint (tied dense, MoE x EP = 2, uneven 2 + 3) loads at PP = 1 x DP = 4 with the
+    step's trainer state and continues like the uninterrupted run (to reduction order); the checkpoint
+    records the layout it was saved at. ``export-hf`` of the PP = 2 checkpoints equals the export of the
+    same state saved at PP = 1, bitwise, and the weights the trainer held (gathered to HF names) bitwise."""
+    from safetensors.torch import load_file
+
+    from megatron_grpo.checkpoint.export import export_hf
+
+    root, models, saved, loaded = pp2_checkpoints
+    for rank in loaded:
+        for name, (_, layout, _) in CKPT_CASES.items():
+            got = rank[name]
+            assert (got["position"], got["step"]) == (10, 1)
+            assert (got["layout"]["pp"], got["layout"]["ep"], got["layout"]["dp"]) == (2, layout.get("ep", 1),
+                                                                                     2 if name != "moe" else 2)
+            _assert_same_step(got["resumed"], saved[0][name]["straight"], exact=False)
+    assert loaded[0]["uneven"]["layout"]["layers_per_stage"] == [2, 3]
+    for name in ("dense", "uneven"):
+        exported = []
+        for source in (name, f"{name}-pp1"):
+            report = export_hf(ckpt_dir(os.path.join(root, source), 1), str(tmp_path / source))
+            tensors = {}
+            for f in report.files:
+                tensors.update(load_file(str(tmp_path / source / f)))
+            exported.append(tensors)
+        pp2, pp1 = exported
+        hf = saved[0][name]["hf"]
+        assert set(pp2) == set(pp1) == set(hf), name
+        for key, tensor in hf.items():
+            assert torch.equal(pp2[key], pp1[key]) and torch.equal(pp2[key], tensor), (name, key)
+
+
+def test_a_checkpoint_another_model_cannot_load_names_both_layouts(pp2_checkpoints):
+    """The 5-layer checkpoint saved at PP = 2 (2 + 3) loaded into the 4-layer model at PP = 1 x DP = 4: a
+    CheckpointError on every rank naming the checkpoint's layout, this run's, and the tensor that differs."""
+    _, _, _, loaded = pp2_checkpoints
+    for rank in loaded:
+        error = rank["error"]
+        assert "saved at TP=1 PP=2 (layers 2+3) CP=1 EP=1 ETP=1 DP=2 on 4 ranks, a model of 5 layers" in error
+        assert "this run is at TP=1 PP=1 (layers 4) CP=1 EP=1 ETP=1 DP=4 on 4 ranks, a model of 4 layers" in error
+        assert "global shape (5," in error
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("model, layout", [
+    ("dense", ["checkpointing.async_save=true", "checkpointing.save_period=1"]),  # PP = 2 x DP = 2
+    ("moe", ["policy.megatron_cfg.expert_model_parallel_size=2", "checkpointing.save_period=2"]),  # PP = 2 x EP = 2
+])
+def test_sigkill_at_pp2_then_resume_reproduces_the_uninterrupted_steps(model, layout, tmp_path, tiny_dense, tiny_moe):
+    """``megatron-grpo train`` on 4 ranks at PP = 2 (dense x DP = 2 saving asynchronously every step; MoE x
+    EP = 2 saving every 2 steps) is SIGKILLed after step 3, whose checkpoint does not exist (the dense one
+    was still being written), and resumed from step 2's: the re-run step 3 equals the killed run's step 3
+    (loss, grad norm, rewards, lengths, every metric but timings), each step is logged once, and the
+    resumed run's last (asynchronous) save is finished before it exits: step 4 is ``latest``, verified,
+    with the data position of 4 steps."""
+    from megatron_grpo.checkpoint import folders as ckpt
+    from tests.test_checkpoint import _stable
+    from tests.test_train import run_cli
+
+    ck = tmp_path / "ck"
+    common = [f"policy.model_name={tiny_dense if model == 'dense' else tiny_moe}", "grpo.max_num_steps=4",
+              "policy.megatron_cfg.pipeline_model_parallel_size=2", f"checkpointing.checkpoint_dir={ck}", *layout]
+    os.environ["MEGATRON_GRPO_FAULT_KILL_AFTER_STEP"] = "3"
+    try:
+        code, out, killed = run_cli(common, str(tmp_path / "run"), nproc=4)
+    finally:
+        del os.environ["MEGATRON_GRPO_FAULT_KILL_AFTER_STEP"]
+    assert code != 0 and [r["step"] for r in killed] == [1, 2, 3], out[-3000:]
+    assert ckpt.latest_step(str(ck)) == 2 and 3 not in ckpt.list_checkpoints(str(ck))
+    code, out, resumed = run_cli(common + ["checkpointing.resume=true"], str(tmp_path / "run"), nproc=4)
+    assert code == 0, out[-3000:]
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4] and "resumed from" in out
+    assert _stable(resumed[2]) == _stable(killed[2])
+    assert ckpt.latest_step(str(ck)) == 4
+    ckpt.verify(ckpt.step_dir(str(ck), 4))
+    state = ckpt.read_trainer_state(ckpt.step_dir(str(ck), 4))
+    assert state["data_position"] == 4 * 4 and state["layout"]["pp"] == 2  # 4 prompts per step (the tiny recipe)

@@ -7,11 +7,13 @@ the parity baseline, every rank's RNG states, the LR scheduler's and loss scaler
 and the optimizer's step count. ``folders.py`` makes it atomic (temporary folder, manifest,
 rename, ``latest`` last) and verifies it on load.
 
-No rank gathers the model or the optimizer state: with TP / DP / EP each rank writes and reads
-only its own part, and a checkpoint loads at another TP / DP (/ EP) layout, with or without the
-distributed optimizer (state resharded, see ``sharded_state.py``). Replicated model shards are
-written by one data-parallel rank each, spread over the DP group (Megatron's fully parallel
-save strategy).
+No rank gathers the model or the optimizer state: with TP / PP / DP / EP each rank writes and reads
+only its own part, and a checkpoint loads at another TP / PP / DP (/ EP) layout and pipeline split,
+with or without the distributed optimizer (state resharded, see ``sharded_state.py``). Replicated
+shards are written by one data-parallel rank each, spread over the DP group (Megatron's fully parallel
+save strategy), and read the same way (its fully parallel load: each replicated shard is read by one
+DP rank and broadcast to the others; ``checkpointing.fully_parallel_load``). The layout a checkpoint
+was saved at is recorded; a checkpoint this run cannot load (another model) is an error naming both.
 
 With ``checkpointing.async_save`` Megatron's asynchronous save is used: the shards are
 snapshotted when the save starts (on GPU copied to host memory; on CPU the writer process is
@@ -34,9 +36,15 @@ import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
 from megatron.core import parallel_state as ps
-from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
+from megatron.core.dist_checkpointing.serialization import (
+    get_default_load_sharded_strategy,
+    get_default_save_sharded_strategy,
+)
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
-from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
+from megatron.core.dist_checkpointing.strategies.fully_parallel import (
+    FullyParallelLoadStrategyWrapper,
+    FullyParallelSaveStrategyWrapper,
+)
 
 from megatron_grpo.checkpoint import folders as ckpt
 from megatron_grpo.checkpoint import sharded_state
@@ -91,8 +99,9 @@ def save_checkpoint(trainer) -> str:
     _raise_first_error(error, tmp, ctx.rank)
     rngs = [None] * dist.get_world_size()
     dist.all_gather_object(rngs, ckpt.rng_state())
+    layout = sharded_state.layout_record(ctx.model)
     out.write(ckpt.STATE_FILE,
-              lambda path: torch.save(trainer_state(trainer, rngs, step, with_state, main, group_step), path))
+              lambda path: torch.save(trainer_state(trainer, rngs, step, with_state, main, group_step, layout), path))
     if request is None:
         return _finalize(out, cfg, trainer.step)
     _raise_agreed(out.error)
@@ -175,15 +184,21 @@ def _use_fork_write_queue() -> None:
 
 
 def load_sharded(model, optimizer, path: str, step: int, with_state: bool, main_params: bool,
-                 group_step: Optional[int] = None) -> None:
+                 group_step: Optional[int] = None, fully_parallel: bool = True) -> None:
     """Collective: fills this rank's model weights and optimizer state (allocated if fresh) from
     the torch_dist files of checkpoint ``path``, at this run's layout; ``step`` / ``group_step``:
-    the saved per-parameter / param-group Adam step counts (``sharded_state.restore_step``)."""
+    the saved per-parameter / param-group Adam step counts (``sharded_state.restore_step``).
+    ``fully_parallel``: shards replicated over data parallelism are read once, spread over the DP
+    group, and broadcast (Megatron's ``FullyParallelLoadStrategyWrapper``); else every replica reads them."""
     model_sd = sharded_state.model_sharded_state_dict(model)
     sharded_state.match_checkpoint_keys(model_sd, sharded_state.checkpoint_keys(path))  # TE <-> local layers
+    sharded_state.check_model_shapes(model_sd, path)
     optim_sd = sharded_state.optimizer_sharded_state_dict(optimizer.megatron, model_sd, with_state,
                                                           for_loading=True, main_params=main_params)
-    loaded = dist_checkpointing.load({"model": model_sd, "optimizer": optim_sd}, path)
+    group, strategy = ps.get_data_parallel_group(with_context_parallel=True), None
+    if fully_parallel and comm.group_size(group) > 1:  # 0.16.1 and 0.19 alike (0.19: the path is optional)
+        strategy = FullyParallelLoadStrategyWrapper(get_default_load_sharded_strategy(path), group)
+    loaded = dist_checkpointing.load({"model": model_sd, "optimizer": optim_sd}, path, sharded_strategy=strategy)
     unwrap(model).load_state_dict(loaded["model"], strict=True)
     with torch.no_grad():
         for key, pieces in optim_sd.items():
@@ -196,10 +211,10 @@ def load_sharded(model, optimizer, path: str, step: int, with_state: bool, main_
 
 
 def trainer_state(trainer, rngs, optimizer_step: int, optimizer_state: bool, main_params: bool,
-                  optimizer_group_step: Optional[int] = None) -> dict:
+                  optimizer_group_step: Optional[int] = None, layout: Optional[dict] = None) -> dict:
     """What ``trainer_state.pt`` holds (plain data: loadable with ``weights_only=True``). Adam's step
     count in both forms: per parameter (torch's Adam / AdamW) and per param group (TE's / Apex's
-    FusedAdam; None without)."""
+    FusedAdam; None without); ``layout``: ``sharded_state.layout_record`` of the saving run."""
     ctx = trainer.ctx
     opt = ctx.optimizer
     return {"format": FORMAT, "step": trainer.step, "version": trainer.version,
@@ -208,7 +223,7 @@ def trainer_state(trainer, rngs, optimizer_step: int, optimizer_state: bool, mai
             "optimizer_step": optimizer_step, "optimizer_group_step": optimizer_group_step,
             "optimizer_state": optimizer_state, "main_params": main_params,
             "scheduler": opt.scheduler.state_dict(), "scalers": _scaler_states(opt),
-            "model_dir": getattr(ctx, "model_dir", None)}
+            "model_dir": getattr(ctx, "model_dir", None), "layout": layout}
 
 
 def _scaler_states(opt) -> list:
@@ -318,12 +333,15 @@ def load_checkpoint(trainer, path: str) -> None:
                                    f"reads format {FORMAT} (dist_checkpointing)")
     try:
         load_sharded(ctx.model, opt, path, state["optimizer_step"], state["optimizer_state"], state["main_params"],
-                     state.get("optimizer_group_step"))  # absent from checkpoints written before it was saved
+                     state.get("optimizer_group_step"),  # absent from checkpoints written before it was saved
+                     fully_parallel=trainer.cfg.checkpointing.fully_parallel_load)
     except BaseException as exc:  # noqa: BLE001 - CheckpointingException / CheckpointException (BaseException)
         if isinstance(exc, (KeyboardInterrupt, SystemExit)):
             raise
-        raise ckpt.CheckpointError(f"checkpoint {path}: cannot load the model/optimizer shards at this layout: "
-                                   f"{type(exc).__name__}: {str(exc)[:500]}") from exc
+        raise ckpt.CheckpointError(
+            f"checkpoint {path} was saved at {sharded_state.format_layout(state.get('layout'))}; this run is at "
+            f"{sharded_state.format_layout(sharded_state.layout_record(ctx.model))}: its model/optimizer shards "
+            f"cannot be loaded here: {type(exc).__name__}: {str(exc)[:500]}") from exc
     opt.scheduler.load_state_dict(state["scheduler"])
     _load_scalers(opt, state["scalers"])
     trainer.step, trainer.version = state["step"], state["version"]

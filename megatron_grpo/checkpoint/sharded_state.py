@@ -37,6 +37,7 @@ import dataclasses
 from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
+from megatron.core import parallel_state as ps
 from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
@@ -45,6 +46,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from megatron_grpo.checkpoint.folders import NORM_KEY_ALIASES
 from megatron_grpo.compat.megatron import distributed_optimizer_ranges
 from megatron_grpo.models import unwrap
+from megatron_grpo.parallel.stages import PipelineSplit
 
 STATE_PREFIX = "optimizer.state"
 MAIN_PARAM = "fp32_param"
@@ -100,6 +102,47 @@ def match_checkpoint_keys(model_sd: dict, saved: set) -> None:
         alias = NORM_KEY_ALIASES.get(value.key) if isinstance(value, ShardedTensor) else None
         if alias is not None and value.key not in saved and alias in saved:
             value.key = alias
+
+
+def layout_record(model) -> dict:
+    """The parallel layout this rank's model is built at and the shape of the model it holds: what a
+    checkpoint records (``trainer_state.pt``'s ``layout``) so that a load that cannot be served names both."""
+    gpt = unwrap(model)
+    c = gpt.config
+    split = PipelineSplit(c.num_layers_in_first_pipeline_stage, c.num_layers_in_last_pipeline_stage,
+                          c.account_for_embedding_in_pipeline_split, c.account_for_loss_in_pipeline_split)
+    dp = ps.get_data_parallel_world_size()
+    return {"world_size": c.tensor_model_parallel_size * c.pipeline_model_parallel_size * c.context_parallel_size * dp,
+            "tp": c.tensor_model_parallel_size, "pp": c.pipeline_model_parallel_size, "cp": c.context_parallel_size,
+            "ep": c.expert_model_parallel_size, "etp": c.expert_tensor_parallel_size, "dp": dp,
+            "layers_per_stage": split.layers_per_stage(c.num_layers, c.pipeline_model_parallel_size),
+            "num_layers": c.num_layers, "hidden_size": c.hidden_size, "num_experts": c.num_moe_experts or 0,
+            "vocab_size": gpt.vocab_size}
+
+
+def format_layout(layout: Optional[dict]) -> str:
+    """``layout_record`` as one line (checkpoints written before layouts were recorded: unknown)."""
+    if not layout:
+        return "an unrecorded layout (written before checkpoints recorded theirs)"
+    stages = "+".join(map(str, layout["layers_per_stage"]))
+    return (f"TP={layout['tp']} PP={layout['pp']} (layers {stages}) CP={layout['cp']} EP={layout['ep']} "
+            f"ETP={layout['etp']} DP={layout['dp']} on {layout['world_size']} ranks, a model of {layout['num_layers']} "
+            f"layers, hidden {layout['hidden_size']}, {layout['num_experts']} experts, vocab {layout['vocab_size']}")
+
+
+def check_model_shapes(model_sd: dict, path: str) -> None:
+    """``ValueError`` naming the first model tensor this layout needs that checkpoint ``path`` does not
+    hold, or holds with another global shape (another model, not another layout: dist_checkpointing
+    reshards TP / PP / DP / EP but cannot turn one model into another)."""
+    saved = FileSystemReader(path).read_metadata().state_dict_metadata
+    for value in nested_values(model_sd):
+        if not isinstance(value, ShardedTensor):
+            continue
+        if value.key not in saved:
+            raise ValueError(f"it holds no tensor {value.key!r}")
+        size = tuple(saved[value.key].size)
+        if size != tuple(value.global_shape):
+            raise ValueError(f"{value.key!r} has the global shape {size} there, {tuple(value.global_shape)} here")
 
 
 def chained(optimizer) -> List:

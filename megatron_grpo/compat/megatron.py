@@ -32,10 +32,12 @@ MODULES_WITH_CUDA_FACTORIES = (
     "megatron.core.optimizer.grad_scaler",
     "megatron.core.optimizer.distrib_optimizer",
     "megatron.core.utils",
+    "megatron.core.dist_checkpointing.exchange_utils",
 )
 """0.16.1 and 0.19: the modules whose module-level ``torch`` builds tensors with ``device="cuda"``
 (the pipeline schedules' loss scale, the optimizers' and grad clipping's buffers, the local
-multi-tensor L2 norm); the CPU shims hand them a ``torch`` that maps ``"cuda"`` to ``"cpu"``."""
+multi-tensor L2 norm, the fully parallel load's exchange buffers); the CPU shims hand them a
+``torch`` that maps ``"cuda"`` to ``"cpu"``."""
 
 
 def cuda_factory_modules() -> list:

@@ -295,6 +295,9 @@ class CheckpointingConfig:
     export_hf: Optional[str] = None
     """At the end of a finished run, export its last checkpoint as a Hugging Face model (sharded
     safetensors, config, tokenizer) to this folder, as ``megatron-grpo export-hf`` does; null = no export."""
+    fully_parallel_load: bool = True
+    """Resume with Megatron's fully parallel load: a shard replicated over data parallelism is read by one
+    DP rank and broadcast to the others (false: every replica reads it; Megatron-LM's ``--ckpt-fully-parallel-load``)."""
 
     def __post_init__(self):
         if (self.resume or self.save_period or self.export_hf) and not self.checkpoint_dir:

@@ -12,8 +12,9 @@ no-op when CUDA is available. The spots (see ../shared/ENVIRONMENT.md):
   functions -> rewrapped for ``device_type="cpu"`` so bf16/fp16 autocast backward works;
 - MoE router's module-level ``te_general_gemm`` missing without TE (0.16.1) -> set to None;
 - ``device="cuda"`` tensor factories in the pipeline schedules, Megatron's optimizers, grad
-  clipping, grad scalers and ``core/utils`` (the local multi-tensor L2 norm) -> those modules see
-  a ``torch`` whose factories map ``"cuda"`` to ``"cpu"``;
+  clipping, grad scalers, ``core/utils`` (the local multi-tensor L2 norm) and the fully parallel
+  load's exchange -> those modules see a ``torch`` whose factories map ``"cuda"`` to ``"cpu"``;
+  ``ShardedTensor.init_data("cuda")`` (that exchange's receive buffers) -> on the CPU;
 - ``param.type() == 'torch.cuda.FloatTensor'``-style checks in the optimizers and grad clipping
   -> ``Tensor.type()`` answers with the CUDA type name when (and only when) the caller is one of
   Megatron's optimizer modules;
@@ -112,8 +113,10 @@ def _patch_megatron() -> None:
     _rewrap_autocast(layers)
     from megatron.core.optimizer import grad_scaler
 
-    for module in compat.cuda_factory_modules():
+    modules = compat.cuda_factory_modules()
+    for module in modules:
         module.torch = _CPUTorch()
+    _patch_init_data(next(m for m in modules if m.__name__.endswith("exchange_utils")).ShardedTensor)
     _patch_type_names()
     _patch_tensor_cuda()
     grad_scaler.DynamicGradScaler.load_state_dict = _scaler_load_state_dict
@@ -122,10 +125,24 @@ def _patch_megatron() -> None:
     compat.define_missing_te_general_gemm()
 
 
+def _patch_init_data(sharded_tensor) -> None:
+    """``ShardedTensor.init_data("cuda")`` (the fully parallel load's exchange buffers, ``sharded_tensor``
+    being Megatron's ``ShardedTensor`` class) allocates on the CPU."""
+    original = sharded_tensor.init_data
+    if getattr(original, "_megatron_grpo", False):
+        return
+
+    def init_data(self, device, init_fn=torch.empty):
+        return original(self, "cpu" if str(device).startswith("cuda") else device, init_fn)
+
+    init_data._megatron_grpo = True
+    sharded_tensor.init_data = init_data
+
+
 class _CPUTorch:
     """``torch`` for modules that hard-code ``device="cuda"`` in tensor factories."""
 
-    _FACTORIES = ("zeros", "ones", "empty", "full", "tensor", "arange")
+    _FACTORIES = ("zeros", "ones", "empty", "empty_like", "full", "tensor", "arange")
 
     def __getattr__(self, name):
         attr = getattr(torch, name)
