@@ -441,15 +441,17 @@ def test_resume_at_pp2_equals_the_uninterrupted_run(pp2_checkpoints):
 def test_fully_parallel_load_reads_each_replicated_shard_once(pp2_checkpoints):
     """PP = 2 x DP = 2 without the distributed optimizer: the model and optimizer shards of each stage are
     replicated over DP. Read by every replica, each DP rank reads its stage's whole state; with Megatron's
-    fully parallel load the two replicas split it (together they read what one did, each less) and
-    exchange the rest, and the resumed step is the same bitwise (previous test)."""
+    fully parallel load the two replicas split it (together they read what one did, each about half;
+    Megatron-Core 0.19 reads one small non-tensor item, ~1 KiB, on both) and exchange the rest, and the
+    resumed step is the same bitwise (previous test)."""
     _, _, saved, _ = pp2_checkpoints
     plain = [rank["dense"]["resumed_fp0"][0] for rank in saved]
     fully = [rank["dense"]["resumed_fp1"][0] for rank in saved]
     for stage in (0, 1):  # ranks 2s, 2s + 1: the DP pair of stage s (Megatron's order: DP inside PP)
         a, b = 2 * stage, 2 * stage + 1
         assert plain[a] == plain[b] > 0
-        assert fully[a] + fully[b] == plain[a] and 0 < fully[a] < plain[a] and 0 < fully[b] < plain[b], (plain, fully)
+        assert plain[a] <= fully[a] + fully[b] <= plain[a] + 4096, (plain, fully)
+        assert 0.4 * plain[a] < fully[a] < 0.6 * plain[a] and 0.4 * plain[b] < fully[b] < 0.6 * plain[b], (plain, fully)
 
 
 def test_pp2_checkpoints_load_at_pp1_and_export_like_pp1(pp2_checkpoints, tmp_path):
