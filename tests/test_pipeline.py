@@ -242,6 +242,30 @@ def test_pipeline_split_places_layers_as_megatron_does():
             pass
 
 
+def test_uneven_keys_are_checked_in_the_recipe_and_ignored_with_a_warning_at_pp1(caplog):
+    """``policy.megatron_cfg``'s uneven-PP keys: a count below 1 or the two forms mixed are errors naming
+    the keys when the recipe loads; at PP = 1 they do nothing, and a warning says so; a model they cannot
+    split is refused by the layout check (before anything is built)."""
+    import logging
+
+    from megatron_grpo.config.schema import MegatronConfig
+    from megatron_grpo.parallel.state import Layout, validate_layout
+
+    with pytest.raises(ValueError, match=r"policy\.megatron_cfg\.num_layers_in_last_pipeline_stage must be >= 1"):
+        MegatronConfig(pipeline_model_parallel_size=2, num_layers_in_last_pipeline_stage=0)
+    with pytest.raises(ValueError, match="cannot be combined with account_for_embedding_in_pipeline_split"):
+        MegatronConfig(pipeline_model_parallel_size=2, num_layers_in_first_pipeline_stage=3,
+                       account_for_embedding_in_pipeline_split=True)
+    with caplog.at_level(logging.WARNING, logger="megatron_grpo.config.schema"):
+        m = MegatronConfig(account_for_loss_in_pipeline_split=True)
+    assert "account_for_loss_in_pipeline_split=True has no effect with pipeline_model_parallel_size=1" in caplog.text
+    assert m.pipeline_split.config_kwargs(1) == {} and m.pipeline_split.layers_per_stage(5, 1) == [5]
+    split = MegatronConfig(pipeline_model_parallel_size=2, num_layers_in_first_pipeline_stage=4).pipeline_split
+    validate_layout(Layout(world_size=2, pp=2, split=split), num_layers=5)
+    with pytest.raises(ValueError, match="the 0 layers left must split evenly over the 1 stage"):
+        validate_layout(Layout(world_size=2, pp=2, split=split), num_layers=4)
+
+
 def _dry_run_json(capsys, overrides, world=64):
     import json
 
