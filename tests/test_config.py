@@ -145,3 +145,22 @@ def test_cluster_timeouts_are_checked(data, message):
 
     with pytest.raises(ValueError, match=message):
         from_dict(Config, data)
+
+
+def test_fp8_is_a_generation_and_shadow_precision_only():
+    p = PrecisionConfig(params_dtype="float32", compute_dtype="bfloat16", generation_dtype="fp8")
+    assert p.shadow_dtype == "fp8" and p.shadow_router_dtype == "bfloat16" and p.needs_shadow and p.uses_fp8
+    assert p.fp8.recipe().weight_block_size == (128, 128)
+    for key in ("params_dtype", "compute_dtype"):
+        with pytest.raises(ValueError, match=f"policy.precision.{key}=fp8: FP8 is a generation / shadow precision"):
+            PrecisionConfig(**{key: "fp8"})
+    with pytest.raises(ValueError, match="policy.precision.shadow_router_dtype"):
+        PrecisionConfig(generation_dtype="fp8", shadow_router_dtype="fp8")
+    for bad, key in ((dict(weight_block_size=[128]), "weight_block_size"),
+                     (dict(weight_block_size=[0, 128]), "weight_block_size"),
+                     (dict(activation_block_size=0), "activation_block_size"),
+                     (dict(num_last_layers_in_bf16=-1), "num_last_layers_in_bf16")):
+        with pytest.raises(ValueError, match=f"policy.precision.fp8.{key}"):
+            from_dict(Config, {"policy": {"precision": {"generation_dtype": "fp8", "fp8": bad}}})
+    with pytest.raises(ValueError, match="policy.precision.fp8.block_size"):
+        from_dict(Config, {"policy": {"precision": {"fp8": {"block_size": 64}}}})
