@@ -22,7 +22,7 @@ from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron_grpo import faults
 from megatron_grpo.compat.megatron import moe_aux_loss_token_multiplier
 from megatron_grpo.config.schema import Config, to_dtype
-from megatron_grpo.loss import StatSet, clips, policy_loss_stats
+from megatron_grpo.loss import StatSet, clips, policy_loss_stats, ratios
 from megatron_grpo.loss.metrics import SHADOW_STATS, routing_stats
 from megatron_grpo.loss.policy import weight_center
 from megatron_grpo.loss.stats import masked_sum
@@ -274,22 +274,24 @@ class TrainStep:
         return cos
 
     def weight_center(self, batch: StepBatch, shadow) -> Optional[torch.Tensor]:
-        """``detach_center``'s mu_W over the whole global batch, from a no-grad pre-pass of the
-        training forward (same precision, same routing replay), before the schedule; None for
-        the other variants. The ratio's value only needs the trainer's log-probs with
-        ``ratio=train``; the other sources get it from the shadow / the generator."""
+        """``detach_center``'s mu_W over the whole global batch, before the schedule; None for the other
+        variants. ``loss.policy.weight_center`` gets exactly what the loss gets (the trainer's log-probs,
+        sanitized, and ``_loss_shadow``), so it centres on the loss's own ratio whatever the source. The
+        trainer's log-probs come from a no-grad pre-pass of the training forward (same precision, plan and
+        routing replay), unless a shadow forward ran and the ratio's value does not read them."""
         if not getattr(clips.get_clip_variant(self.cfg.loss_fn.clip), "needs_center", False):
             return None
-        if self.cfg.loss_fn.ratio == "train":
+        if shadow is not None and not ratios.value_reads_log_probs(self.cfg.loss_fn.ratio):
+            lp = shadow  # a stand-in: the ratio's value is the same whatever the trainer's log-probs
+        else:
             plan = self._plan_of(batch.packed)
             with self._routes(shadow=False, targets=self.replay_routes, plan=plan):
                 lp = forward_log_probs(self.model, batch.packed, compute_dtype=self.compute_dtype,
                                        params_dtype=self.params_dtype, temperature=self.cfg.generation.temperature,
                                        tp_group=self.tp_group, plan=plan)
-        else:
-            lp = shadow if shadow is not None else batch.old_log_probs
+            lp = self._sanitize(lp, batch.old_log_probs, batch.packed.mask, "the detach_center pre-pass")
         return weight_center(lp, batch.old_log_probs, batch.advantages, batch.packed.mask, self.loss_cfg,
-                             shadow_log_probs=shadow if shadow is not None else lp, dp_group=self.dp_group)
+                             shadow_log_probs=self._loss_shadow(shadow, slice(None), lp), dp_group=self.dp_group)
 
     def _ref_log_probs(self, packed: PackedBatch) -> Optional[torch.Tensor]:
         if self.ref_model is None:
