@@ -217,6 +217,39 @@ def test_no_token_attends_across_sequences(tiny_dense, megatron_single):
     assert not torch.equal(before[second], after[second])
 
 
+LONG = (256,) * 16 + (40,)
+"""One packed row of 4,120 tokens: sequences at offsets 0, 255, ..., 3,825 and the short one at 4,080."""
+
+
+@pytest.fixture(scope="module")
+def long_rope_model(tmp_path_factory):
+    """1 layer, hidden 64, head_dim 32, rope theta 1e6 (Qwen3's), weights 5x the usual init so that attention
+    is sharp enough for a RoPE angle error to reach the log-probs."""
+    from megatron_grpo.models.tiny import make_tiny_model
+
+    return make_tiny_model(str(tmp_path_factory.mktemp("models") / "tiny-long-rope"), "qwen3", overrides=dict(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+        head_dim=32, rope_theta=1.0e6, max_position_embeddings=65536, initializer_range=0.1))
+
+
+def test_rope_restarts_per_sequence_in_thousands_long_packed_rows(long_rope_model, megatron_single):
+    """Local spec: each packed sequence is rotated by its own positions (0, 1, ...), not by its offset in the
+    row: packed == padded within 1e-5 at every completion token of a 4k-token row. Before, Megatron's RoPE
+    rotated by the row position, and the fp32 rounding of the angles (o + i) * inv_freq grew with the
+    offset o: 7.9e-5 at offsets near 4k (the issue measured 1.4e-3 at 8k with head_dim 128)."""
+    seqs = _sequences(LONG)
+    padded = _packed(seqs)
+    st = _stepper(long_rope_model, *PACKED, f"policy.sequence_packing.train_mb_tokens={sum(LONG)}")
+    (row,) = st.make_plan(padded, equalise=False)
+    assert row.input_ids.shape[1] >= 4000 and row.attention_mask is not None
+    offsets = row.gather[:, 0]  # where each sequence starts in the row
+    assert offsets.max().item() > 4000 and row.position_ids[0, offsets].eq(0).all()
+    got = st.lowp_log_probs(padded, torch.float32, temperature=1.0)
+    ref = _stepper(long_rope_model).lowp_log_probs(padded, torch.float32, temperature=1.0)
+    err = ((got - ref).abs() * padded.mask).amax(dim=1)
+    assert err.max().item() <= 1e-5, err.tolist()
+
+
 # ---- several ranks ----------------------------------------------------------------------------------------
 
 
