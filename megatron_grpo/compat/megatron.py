@@ -133,22 +133,18 @@ def rotary_positions(gpt, position_ids: torch.Tensor):
     cp_group=...)`` (``position_embedding_type="rope"``) and ignores ``position_ids``: it rotates by the row
     position, so a sequence at offset o of a packed row got angles (o + i) * inv_freq, whose fp32 rounding
     grows with o. Its ``RotaryEmbedding`` returns ``get_emb(n)`` ``[s, 1, 1, d]`` (row p = p * inv_freq in
-    fp32, the same whatever n), CP-sliced along s, and ``_apply_rotary_pos_emb_bshd`` broadcasts it over
-    ``[s, b, heads, d]``; so the per-token ``[s, b, 1, d]`` made here from the same rows gives each sequence
-    exactly the padded forward's rotation. Transformer Engine's THD path restarts positions itself."""
-    from megatron.core.models.common.embeddings.rope_utils import get_pos_emb_on_this_cp_rank
-
+    fp32, the same whatever n; CP-sliced, but the local attention refuses CP > 1), which
+    ``_apply_rotary_pos_emb_bshd`` broadcasts over ``[s, b, heads, d]``; so the per-token ``[s, b, 1, d]``
+    made here from the same rows gives each sequence exactly the padded forward's rotation. Transformer
+    Engine's THD path restarts positions itself."""
     rope = gpt.rotary_pos_emb
     assert gpt.position_embedding_type == "rope", gpt.position_embedding_type
+    assert gpt.config.context_parallel_size == 1, "the local DotProductAttention refuses CP > 1 itself"
 
     def per_token(max_seq_len: int, offset: int = 0, packed_seq: bool = False, cp_group=None):
         assert offset == 0 and not packed_seq, (offset, packed_seq)
         table = rope.get_emb(position_ids.shape[1])[:, 0, 0]  # positions restart: each < the row's length
-        emb = table[position_ids.t()].unsqueeze(2)
-        cp_group = cp_group if cp_group is not None else rope.cp_group
-        if cp_group is not None and cp_group.size() > 1:
-            emb = get_pos_emb_on_this_cp_rank(emb, 0, cp_group)
-        return emb
+        return table[position_ids.t()].unsqueeze(2)
 
     rope.forward = per_token  # an instance attribute shadows the class's (lru-cached) forward
     try:
