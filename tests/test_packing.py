@@ -348,8 +348,8 @@ def _rank(model_dir, layout, modes, routes):
 ], ids=["tp2", "dp2", "pp2", "moe-ep2", "moe-tp2"])
 def test_multi_rank_packed_equals_single_process(model, layout, modes, request, megatron_single):
     """TP=2 (sequence parallelism: rows a multiple of 16), DP=2 (packed alone and with a token budget:
-    token-balanced ranks, equal micro-batch counts), PP=2 (rows of one length), MoE at EP=2 (every rank's micro-batch k of one
-    shape) and TP=2 with SP (routes gathered / replayed per sequence shard): each rank's padded
+    token-balanced ranks, equal micro-batch counts), PP=2 (rows of one length), MoE at EP=2 (every rank's
+    micro-batch k of one shape) and TP=2 with SP (routes gathered / replayed per sequence shard): each rank's padded
     step against the single-process padded step, every other mode against the padded one."""
     model_dir = request.getfixturevalue(model)
     routes = _moved_routes(model_dir) if model == "tiny_moe" else None
