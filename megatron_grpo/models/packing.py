@@ -14,10 +14,11 @@ path's.
   across sequences: on the local spec a block-diagonal causal ``attention_mask`` ``[r, 1, L, L]``
   (bool, True = masked: Megatron's ``attention_mask_func`` fills those scores with -10000, exactly 0
   after the fp32 softmax), built when the row's forward runs (``MicroBatch.model_inputs``); with
-  Transformer Engine THD ``PackedSeqParams`` with ``cu_seqlens``. The local spec's RoPE ignores ``position_ids`` (it rotates by the row position): ``forward_logits`` makes
-  it rotate each token by its ``position_ids`` (``compat.megatron.rotary_positions``), so a sequence gets
-  the padded forward's rotation exactly; rotated by its offset o in the row, the fp32 rounding of the
-  angles (o + i) * inv_freq grew with o (7.9e-5 in log-probs at o ~ 4k on a tiny model, 1e-2 at 64k).
+  Transformer Engine THD ``PackedSeqParams`` with ``cu_seqlens``. The local spec's RoPE ignores
+  ``position_ids`` (it rotates by the row position): ``forward_logits`` makes it rotate each token by its
+  ``position_ids`` (``compat.megatron.rotary_positions``), so a sequence gets the padded forward's rotation
+  exactly; rotated by its offset o in the row, the fp32 rounding of the angles (o + i) * inv_freq grew
+  with o (7.9e-5 in log-probs at o ~ 4k on a tiny model, 1e-2 at 64k).
 
 A sequence needs only its tokens up to its last completion label (``last`` + 1 tokens: the logits at
 position t score ``labels[t]``), so padding and the final token are never computed.
