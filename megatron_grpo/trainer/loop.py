@@ -191,7 +191,7 @@ class GRPOTrainer:
         advantages = ADVANTAGE_ESTIMATORS.get(self.cfg.grpo.advantage_estimator)(
             rewards, self.cfg.grpo.num_generations_per_prompt)
         batch = build_step_batch(rollouts, advantages, self.ctx.dp_rank, self.ctx.dp_size, self.ctx.pad_id,
-                                 step=self.step + 1, balance_tokens=self.cfg.policy.dynamic_batching.enabled)
+                                 step=self.step + 1, balance_tokens=self.ctx.stepper.plan_spec.balances_tokens)
         t_train = time.perf_counter()
         stats, extra = self.ctx.stepper.run(batch, self.step + 1)
         t_train = time.perf_counter() - t_train
