@@ -412,3 +412,28 @@ def test_a_token_budget_or_packed_row_that_runs_out_of_memory_fails_check_fits()
         check_fits(memory_plan(cfg, shape, 1), cfg, shape)
     cfg = _batching_cfg(PACKED_8K, "te", 40.0)  # the same tokens as 8 padded rows: no scores kept
     check_fits(memory_plan(cfg, shape, 1), cfg, shape)
+
+
+def test_delta_push_copy_is_counted_on_rank_0_by_hand():
+    """``generation.delta_push`` keeps rank 0's shards as last sent in the generation dtype (+ whole copies of the
+    gathered tensors of at most 1M elements, + the uint8 masks of the largest tensor being gathered); none at PP > 1
+    (full pushes) or without it. Measured against a real TP = 2 x EP = 2 push in tests/test_delta.py."""
+    from megatron_grpo.trainer.plan import gathered_checksummed_elements, largest_hf_tensor
+
+    shape = shape_from_hf(load_hf_config(QWEN3_06B))
+
+    def plan(**flat):
+        return memory_plan(_cfg_of(**{"policy.precision.generation_dtype": "bfloat16", "generation.delta_push": True,
+                                      **flat}), shape, 2)
+
+    largest = 151936 * 1024  # the (tied) embedding
+    assert plan().term("delta push copy").bytes == 2 * count_params(shape).num_local + 2 * largest
+    tp2 = {"policy.megatron_cfg.tensor_model_parallel_size": 2}
+    kv = 8 * 128 * 1024  # k_proj / v_proj: 1M elements each, the only TP-split tensors of 0.6B at most 1M
+    assert gathered_checksummed_elements(shape, tp=2) == 28 * 2 * kv
+    assert plan(**tp2).term("delta push copy").bytes == 2 * (count_params(shape, tp=2).num_local + 28 * 2 * kv) \
+        + 2 * largest
+    assert largest_hf_tensor(shape) == largest
+    names = {t.name for t in plan(**{"policy.megatron_cfg.pipeline_model_parallel_size": 2}).terms}
+    assert "delta push copy" not in names
+    assert "delta push copy" not in {t.name for t in plan(**{"generation.delta_push": False}).terms}

@@ -24,7 +24,7 @@ from typing import Dict, List, Optional, Tuple
 
 from megatron_grpo.config.schema import DTYPES, Config
 from megatron_grpo.models.qwen3 import ModelShape
-from megatron_grpo.rollout.transfer.transport import resolve_transport
+from megatron_grpo.rollout.transfer.transport import DIGEST_MAX_NUMEL, resolve_transport
 from megatron_grpo.trainer.plan_activations import Term, activation_terms, logit_terms, moe_terms
 
 GIB = 1024 ** 3
@@ -256,6 +256,37 @@ def _push_term(cfg: Config, shape: ModelShape) -> Term:
                 "full), in the generation dtype; other ranks hold none")
 
 
+def gathered_checksummed_elements(shape: ModelShape, *, tp: int = 1, ep: int = 1, etp: int = 1,
+                                  digest_max_numel: int = DIGEST_MAX_NUMEL) -> int:
+    """Elements of the HF tensors a delta push's sender keeps whole (``DeltaState.fulls``): gathered from
+    several ranks (TP-split dense tensors at TP > 1, experts at EP x ETP > 1) and at most ``digest_max_numel``
+    (checksummed: completed from that copy where only the changed values travelled)."""
+    h, d = shape.hidden_size, shape.head_dim
+    dense, experts = [], []
+    if tp > 1:
+        dense = [shape.vocab_size * h] * (1 if shape.tie_word_embeddings else 2)
+        layer = [shape.num_heads * d * h, shape.num_kv_heads * d * h, shape.num_kv_heads * d * h, shape.num_heads * d * h]
+        layer += [] if shape.is_moe else [shape.ffn_hidden_size * h] * 3
+        dense += layer * shape.num_layers
+    if shape.is_moe and ep * etp > 1:
+        experts = [shape.moe_ffn_hidden_size * h] * (3 * shape.num_experts * shape.num_layers)
+    return sum(n for n in dense + experts if n <= digest_max_numel)
+
+
+def _delta_term(cfg: Config, shape: ModelShape, count: ParamCount) -> Term:
+    """``generation.delta_push`` on the stage-0 leader (pipeline parallelism pushes full weights, no copy): the
+    shards it sends as last sent, whole copies of the small gathered tensors, and the change masks of the
+    largest tensor being gathered (uint8, its shards and whole)."""
+    m, size = cfg.policy.megatron_cfg, DTYPES[cfg.policy.precision.generation_dtype].itemsize
+    whole = gathered_checksummed_elements(shape, tp=m.tensor_model_parallel_size, ep=m.expert_model_parallel_size,
+                                          etp=m.expert_tensor_parallel_size)
+    return Term("delta push copy", size * (count.num_local + whole) + 2 * largest_hf_tensor(shape),
+                ("generation.delta_push",) + LAYOUT_KEYS + EXPERT_KEYS,
+                f"rank 0: its shards as last sent ({count.num_local / 1e9:.3f}B elements) + {whole / 1e6:.3g}M elements "
+                f"of gathered tensors <= {DIGEST_MAX_NUMEL} elements kept whole, in the generation dtype, + the uint8 "
+                "change masks of the largest tensor gathered; every other rank sending to it keeps its own shards")
+
+
 VLLM_PACKED_BUFFER_BYTES, VLLM_PACKED_NUM_BUFFERS = GIB, 2
 """vLLM's nccl weight transfer (``distributed/weight_transfer/packed_tensor.py``, DEFAULT_PACKED_BUFFER_SIZE_BYTES
 and DEFAULT_PACKED_NUM_BUFFERS, which our ``NCCLTrainerInitInfo`` keeps): trainer rank 0 packs the pushed tensors
@@ -312,6 +343,8 @@ def _stage_plan(cfg: Config, shape: ModelShape, world_size: int, stage: int) -> 
         terms.append(_reference_term(cfg, count))
     if cfg.generation.backend != "megatron":  # the megatron engine uses the trainer's weights: nothing is pushed
         terms.append(_push_term(cfg, shape))
+    if cfg.generation.delta_push and pp == 1:
+        terms.append(_delta_term(cfg, shape, count))
     if stage == 0 and generator_colocated(cfg):
         terms.append(_generator_term(cfg, shape, cfg.cluster.gpu_memory_gib))
     if stage == 0 and _uses_nccl_transport(cfg, world_size):
