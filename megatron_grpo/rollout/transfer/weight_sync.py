@@ -169,7 +169,7 @@ def _gather_changes(local, mask, dst: int, group, exact: bool = True):
     if count:
         parts = comm.gather_to(D.pack_changes(local, mask, count), dst, group)
     else:  # nothing changed in the group: nothing travels
-        parts = None if _my_rank() != dst else [torch.empty(0, dtype=torch.uint8)] * comm.group_size(group)
+        parts = None if _my_rank() != dst else [mask.new_empty(0)] * comm.group_size(group)
     if parts is None:
         return None, True
     me = comm.group_rank(group)
