@@ -22,7 +22,8 @@ CLIP0 = "policy.megatron_cfg.optimizer.clip_grad=0"
 MOE = ("policy.megatron_cfg.moe_z_loss_coeff=0.1",)
 R3 = MOE + ("policy.megatron_cfg.moe_routing_replay=R3",)
 R2 = MOE + ("policy.megatron_cfg.moe_routing_replay=R2",)
-MOE_MODES = {"padded": R3, "packed": R3 + PACKED, "budget": R3 + BUDGET, "packed+budget": R3 + PACKED + BUDGET,
+PACKED_64 = PACKED + ("policy.sequence_packing.train_mb_tokens=64",)
+MOE_MODES = {"padded": R3, "packed": R3 + PACKED, "budget": R3 + BUDGET, "packed-64": R3 + PACKED_64,
              "padded/R2": R2, "packed/R2": R2 + PACKED}
 """Each mode against the padded one with the same replay (R3: the generator's routes moved, so that the
 replay acts; R2: the no-grad forward's own routes, recorded and replayed through the plan)."""
@@ -196,9 +197,9 @@ def test_config_errors_name_the_full_key():
 # ---- one process ------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("mode", ["packed", "budget", "packed+budget"])
+@pytest.mark.parametrize("mode", ["packed", "budget", "packed-64"])
 def test_packed_and_token_budget_equal_padded(mode, tiny_dense, megatron_single):
-    overrides = {"packed": PACKED, "budget": BUDGET, "packed+budget": PACKED + BUDGET}[mode]
+    overrides = {"packed": PACKED, "budget": BUDGET, "packed-64": PACKED_64}[mode]
     torch.manual_seed(0)
     ref = _step(_stepper(tiny_dense, CLIP0))
     torch.manual_seed(0)
@@ -341,7 +342,7 @@ def _rank(model_dir, layout, modes, routes):
 
 @pytest.mark.parametrize("model,layout,modes", [
     ("tiny_dense", dict(world_size=2, tp=2), {"padded": (), "packed": PACKED}),
-    ("tiny_dense", dict(world_size=2), {"padded": (), "packed": PACKED, "packed+budget": PACKED + BUDGET}),
+    ("tiny_dense", dict(world_size=2), {"padded": (), "packed": PACKED, "packed-64": PACKED_64}),
     ("tiny_dense", dict(world_size=2, pp=2), {"padded": (), "packed": PACKED}),
     ("tiny_moe", dict(world_size=2, ep=2), MOE_MODES),
     ("tiny_moe", dict(world_size=2, tp=2), MOE_MODES),
