@@ -459,10 +459,9 @@ def plan_spec(model, cfg: Config) -> PlanSpec:
     ``PlanSpec`` for ``model`` (row widths a multiple of 8 and of TP under SP; one row length
     under PP; THD ``PackedSeqParams`` where the Transformer Engine spec is active)."""
     p, config = cfg.policy, unwrap(model).config
-    packing, dynamic = p.sequence_packing.enabled, p.dynamic_batching.enabled
-    budget = p.dynamic_batching.max_tokens_per_microbatch if dynamic else None
-    if packing:
-        budget = budget or p.sequence_packing.train_mb_tokens or None
+    packing, dynamic = p.sequence_packing.enabled, p.dynamic_batching.enabled  # exclusive (config/schema.py)
+    budget = (p.sequence_packing.train_mb_tokens or None) if packing else \
+        (p.dynamic_batching.max_tokens_per_microbatch if dynamic else None)
     multiple = 8 * sequence_multiple(config)
     return PlanSpec(micro_batch_size=p.train_micro_batch_size, max_tokens=budget, packing=packing, multiple=multiple,
                     fixed_width=config.pipeline_model_parallel_size > 1, thd=packing and uses_te_attention(model))
