@@ -6,6 +6,7 @@ uninterrupted run of the same recipe:
   - SIGTERM to one rank of a 2-rank torchrun run (the other must not hang), then resume;
   - SIGTERM to the whole process group (what Slurm sends), then resume;
   - the vLLM generator killed during generation, during the weight push and during the probe;
+  - the vLLM generator killed during generation, then killed again while it restarts;
   - the vLLM server killed before step 2's generation;
   - a torn last line in metrics.jsonl (a full disk), then resume;
   - a garbage ``manifest.json`` in the newest checkpoint and an empty ``latest`` pointer, then resume
@@ -141,7 +142,7 @@ def drill_sigterm(out, model, reference, whole_group: bool):
 
 
 def drill_generator(out, model, reference, spec, label):
-    log_dir, _, base = _base(out, "generator-" + spec.replace(":", "-"), model)
+    log_dir, _, base = _base(out, "generator-" + spec.replace(":", "-").replace(",", "-"), model)
     code, _ = run(base, log_dir, {"MEGATRON_GRPO_FAULT_KILL_GENERATOR": spec})
     return verdict(label, code, read_rows(log_dir), reference)
 
@@ -187,6 +188,8 @@ DRILLS = {
     "gen-generate": lambda o, m, r: drill_generator(o, m, r, "generate:2", "generator killed during generation"),
     "gen-push": lambda o, m, r: drill_generator(o, m, r, "push:3", "generator killed during the weight push"),
     "gen-probe": lambda o, m, r: drill_generator(o, m, r, "probe:4", "generator killed during the parity probe"),
+    "gen-restart": lambda o, m, r: drill_generator(o, m, r, "generate:2,start:2",
+                                                   "generator killed during generation, then again during its restart"),
     "server": lambda o, m, r: drill_server(o, m),
     "torn-metrics": drill_torn_metrics,
     "broken-metadata": drill_broken_metadata,
