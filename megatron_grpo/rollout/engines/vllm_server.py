@@ -18,6 +18,7 @@ server ends in a ``GeneratorError`` that says so, never a hang.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import logging
 import os
@@ -53,9 +54,6 @@ def _free_port() -> int:
 def _die_with_parent() -> None:
     """Linux: the server gets SIGTERM when the trainer dies (even by SIGKILL), so none is orphaned."""
     try:
-        import ctypes
-        import signal
-
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except Exception:  # noqa: BLE001 - best effort on other platforms
         pass
