@@ -141,10 +141,14 @@ def drill_sigterm(out, model, reference, whole_group: bool):
     return verdict(label, code, read_rows(log_dir), reference)
 
 
-def drill_generator(out, model, reference, spec, label):
+def drill_generator(out, model, reference, spec, label, expect="generator failed during"):
+    """``expect``: what the run's log says once the fault hit (a fault that never fired recovers nothing)."""
     log_dir, _, base = _base(out, "generator-" + spec.replace(":", "-").replace(",", "-"), model)
-    code, _ = run(base, log_dir, {"MEGATRON_GRPO_FAULT_KILL_GENERATOR": spec})
-    return verdict(label, code, read_rows(log_dir), reference)
+    code, log = run(base, log_dir, {"MEGATRON_GRPO_FAULT_KILL_GENERATOR": spec})
+    result = verdict(label, code, read_rows(log_dir), reference)
+    if expect not in log:
+        result.update(fault=f"{label} (not injected: no '{expect}' in the log)", recovered=False)
+    return result
 
 
 def drill_server(out, model):
@@ -189,7 +193,8 @@ DRILLS = {
     "gen-push": lambda o, m, r: drill_generator(o, m, r, "push:3", "generator killed during the weight push"),
     "gen-probe": lambda o, m, r: drill_generator(o, m, r, "probe:4", "generator killed during the parity probe"),
     "gen-restart": lambda o, m, r: drill_generator(o, m, r, "generate:2,start:2",
-                                                   "generator killed during generation, then again during its restart"),
+                                                   "generator killed during generation, then again during its restart",
+                                                   expect="generator failed during its restart at step 2"),
     "server": lambda o, m, r: drill_server(o, m),
     "torn-metrics": drill_torn_metrics,
     "broken-metadata": drill_broken_metadata,
