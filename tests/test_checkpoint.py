@@ -187,8 +187,9 @@ def test_generator_killed_in_every_phase_recovers_with_the_uninterrupted_metrics
     finally:
         del os.environ["MEGATRON_GRPO_FAULT_KILL_GENERATOR"]
     assert code == 0, out[-3000:]
-    for phase in ("generation at step 2", "its restart at step 2 (engine 0 of 1 failed to start: vLLM generator "
-                  "process died during start (exit code -9))", "the weight push at step 3", "the parity probe at step 4"):
+    for phase in ("generation at step 2", "the weight push at step 3", "the parity probe at step 4",
+                  "its restart at step 2 (engine 0 of 1 failed to start: vLLM generator process died during start "
+                  "(exit code -9))"):
         assert f"generator failed during {phase}" in out, phase
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     for a, b in zip(straight, rows):

@@ -265,7 +265,7 @@ def test_a_generator_killed_again_while_restarting_is_one_more_restart_and_the_r
     arm_faults("generate:3,start:2")
     short = _loop_over_fake_engines(tmp_path / "budget", 4, max_restarts=1)
     with pytest.raises(GeneratorError, match=r"generator failed 2 times during its restart at step 3; last error: "
-                                             r"engine 0 of 1 failed to start: fake generator process died during start"):
+                                             r"engine 0 of 1 failed to start: fake generator process died"):
         short.train()
     assert len(short.seen) == 2 and short.built == [0, 0]
     assert "generator failed during generation at step 3 (engine 0 of 1: fake generator process is not running" \

@@ -41,7 +41,7 @@ esac
 """
 FAKE_TORCHRUN = """#!/bin/bash
 # a rank that stops at SIGTERM as ours does: exits FAKE_EXIT at once, or 75 when signalled
-env | grep -E '^(GLOO_SOCKET_IFNAME|NCCL_SOCKET_IFNAME|TORCH_ELASTIC_SHUTDOWN_TIMEOUT|TORCH_NCCL_ASYNC_ERROR_HANDLING)=' \\
+env | grep -E '^(GLOO_SOCKET_IFNAME|NCCL_SOCKET_IFNAME|TORCH_ELASTIC_SHUTDOWN_TIMEOUT|TORCH_NCCL_ASYNC_\\w+)=' \\
     | sort > "$FAKE_SLURM_LOG.env"  # what the ranks inherit
 [ -n "${FAKE_EXIT:-}" ] && { echo "$*" > "$FAKE_SLURM_LOG.torchrun"; exit "$FAKE_EXIT"; }
 trap 'exit 75' TERM
