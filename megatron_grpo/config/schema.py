@@ -14,94 +14,16 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
-import torch
-
 from megatron_grpo.config.batching import DynamicBatchingConfig, SequencePackingConfig
 from megatron_grpo.config.generation import GenerationConfig
 from megatron_grpo.config.logger import LoggerConfig, MLflowConfig, WandbConfig  # noqa: F401  (re-exported)
 from megatron_grpo.config.optim import DDPConfig, OptimizerConfig, SchedulerConfig
+from megatron_grpo.config.precision import DTYPES, PRECISIONS, Fp8Config, PrecisionConfig, to_dtype  # noqa: F401
 from megatron_grpo.loss import ADVANTAGE_ESTIMATORS
 from megatron_grpo.loss.config import LossConfig
 from megatron_grpo.parallel.stages import PipelineSplit, check_split
 
 logger = logging.getLogger(__name__)
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def to_dtype(name: str) -> torch.dtype:
-    """``"bfloat16"`` -> ``torch.bfloat16``."""
-    return DTYPES[name]
-
-
-def _check_dtype(key: str, value: Optional[str], allow_none: bool = False) -> None:
-    if value is None and allow_none:
-        return
-    if value not in DTYPES:
-        raise ValueError(f"{key} must be one of {', '.join(DTYPES)}, got {value!r}")
-
-
-@dataclass
-class PrecisionConfig:
-    """Trainer and generator precisions (the knobs of the write-up)."""
-
-    params_dtype: str = "float32"
-    """Dtype of the model weights: float32 (master weights), bfloat16 or float16."""
-    compute_dtype: str = "float32"
-    """Dtype of the trainer's forward GEMMs (CPU: autocast; GPU: autocast / TE GEMMs)."""
-    generation_dtype: Optional[str] = None
-    """vLLM's dtype; null = compute_dtype (precision-matched, beta = 0)."""
-    shadow_dtype: Optional[str] = None
-    """Dtype of the no-grad shadow forward that measures beta; null = generation_dtype."""
-    shadow_router_dtype: Optional[str] = None
-    """MoE only: the generator's router-gate precision, used by the shadow forward; null =
-    shadow_dtype (vLLM's Qwen3-MoE gate is a linear layer in the model dtype)."""
-    initial_loss_scale: float = 65536.0
-    """fp16 only: starting dynamic loss scale."""
-    min_loss_scale: float = 1.0
-    """fp16 only: the loss scale never goes below this."""
-    loss_scale_window: int = 100
-    """fp16 only: steps without overflow before the scale doubles."""
-    hysteresis: int = 1
-    """fp16 only: consecutive overflows before the scale halves (Megatron's default is 2)."""
-    master_weights: bool = True
-    """Half params only: Megatron's optimizer keeps fp32 main params and moments and copies them
-    into the params after each update (Megatron's default). false: the optimizer updates the
-    bf16/fp16 params (and keeps its moments) in their own dtype, as the write-up's
-    ``DTYPE=bfloat16`` run: updates smaller than half a bf16 ulp of a weight are lost."""
-
-    def __post_init__(self):
-        _check_dtype("policy.precision.params_dtype", self.params_dtype)
-        _check_dtype("policy.precision.compute_dtype", self.compute_dtype)
-        _check_dtype("policy.precision.generation_dtype", self.generation_dtype, allow_none=True)
-        _check_dtype("policy.precision.shadow_dtype", self.shadow_dtype, allow_none=True)
-        _check_dtype("policy.precision.shadow_router_dtype", self.shadow_router_dtype, allow_none=True)
-        if self.generation_dtype is None:
-            self.generation_dtype = self.compute_dtype
-        if self.shadow_dtype is None:
-            self.shadow_dtype = self.generation_dtype
-        if self.shadow_router_dtype is None:
-            self.shadow_router_dtype = self.shadow_dtype
-        if DTYPES[self.compute_dtype].itemsize > DTYPES[self.params_dtype].itemsize:
-            raise ValueError(f"policy.precision.compute_dtype={self.compute_dtype} is wider than params_dtype="
-                             f"{self.params_dtype}: computing above the weights' precision is not supported")
-        for key in ("generation_dtype", "shadow_dtype"):  # both run on the params (Float16Module)
-            if DTYPES[getattr(self, key)].itemsize > DTYPES[self.params_dtype].itemsize:
-                raise ValueError(
-                    f"policy.precision.{key}={getattr(self, key)} is wider than policy.precision.params_dtype="
-                    f"{self.params_dtype}: the shadow forward, the megatron generator and the parity probe's trainer "
-                    f"side run on the {self.params_dtype} weights, so it would silently run in {self.params_dtype} "
-                    f"(beta exactly 0). Set policy.precision.params_dtype={getattr(self, key)} or {key} no wider")
-        if self.hysteresis < 1:
-            raise ValueError(f"policy.precision.hysteresis must be >= 1, got {self.hysteresis}")
-        if {self.params_dtype, self.compute_dtype} == {"bfloat16", "float16"}:
-            raise ValueError("policy.precision: params_dtype and compute_dtype mix bfloat16 and float16")
-
-    @property
-    def needs_shadow(self) -> bool:
-        """The shadow forward runs only when it differs from the trainer's own forward."""
-        return self.shadow_dtype != self.compute_dtype
-
 
 @dataclass
 class MegatronConfig:
@@ -198,6 +120,12 @@ class PolicyConfig:
             raise ValueError(f"policy.train_micro_batch_size must be >= 1, got {self.train_micro_batch_size}")
         batching = [f"policy.{k}.enabled=true" for k, c in (("sequence_packing", self.sequence_packing),
                                                           ("dynamic_batching", self.dynamic_batching)) if c.enabled]
+        if len(batching) == 2:
+            raise ValueError("policy.sequence_packing.enabled=true cannot be combined with policy.dynamic_batching."
+                             "enabled=true (as in NeMo-RL): a packed row's token budget is policy.sequence_packing."
+                             f"train_mb_tokens (now {self.sequence_packing.train_mb_tokens}; 0 = the step's longest "
+                             "sequence), policy.dynamic_batching.max_tokens_per_microbatch budgets padded rows; "
+                             "enable one of them")
         if self.megatron_cfg.moe_aux_loss_coeff > 0 and batching:
             raise ValueError(f"policy.megatron_cfg.moe_aux_loss_coeff={self.megatron_cfg.moe_aux_loss_coeff} cannot be "
                              f"combined with {' and '.join(batching)}: the load-balancing loss is a product of sums "
@@ -395,8 +323,7 @@ class Config:
             logger.info("grpo.diagnostics_every=%d: the loss needs the shadow forward (loss_fn.ratio=%s, "
                         "moe_routing_replay=%s), so it and its metrics run every step; only the deployed-improvement "
                         "probe is sampled", self.grpo.diagnostics_every, self.loss_fn.ratio, m.moe_routing_replay)
-        if self.policy.dynamic_batching.enabled and m.pipeline_model_parallel_size > 1 \
-                and not self.policy.sequence_packing.enabled:
+        if self.policy.dynamic_batching.enabled and m.pipeline_model_parallel_size > 1:
             raise ValueError("policy.dynamic_batching.enabled=true needs policy.megatron_cfg.pipeline_model_parallel_size"
                              f"=1 (got {m.pipeline_model_parallel_size}): its micro-batches differ in shape; with "
                              "pipeline parallelism use policy.sequence_packing.enabled=true (rows of one length)")

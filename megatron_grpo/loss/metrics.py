@@ -13,7 +13,7 @@ turns the reduced sums into the contract's metric names. Definitions:
 
 from __future__ import annotations
 
-from typing import Dict
+from typing import Callable, Dict
 
 import torch
 
@@ -122,22 +122,25 @@ def compat_stats(stats: StatSet, train_lp, rollout_lp, mask, is_weight=None) -> 
 
 
 def route_disagreements(train_routes, natural_routes, ref_routes) -> torch.Tensor:
-    """``[2, B, S]``: per token, in how many of this model's (pipeline stage's) MoE layers the routing the
-    trainer's forward used differs from the reference (shadow / generator) routing (row 0) and from its
-    own natural choice (row 1: the replay overrode it). Sums over layers, so pipeline stages add theirs
-    up. Routes are ``[B, S, L, k]``."""
+    """``[2 * B * S + 1]``: per token, in how many of this model's (pipeline stage's) MoE layers the routing
+    the trainer's forward used differs from the reference (shadow / generator) routing (first ``B * S``)
+    and from its own natural choice (next ``B * S``: the replay overrode it), then the number of layers.
+    Every entry sums over layers, so pipeline stages add theirs up. Routes are ``[B, S, L, k]``."""
     differ = ~same_experts(train_routes, ref_routes)
     replayed = ~same_experts(train_routes, natural_routes)
-    return torch.stack([differ.sum(-1), replayed.sum(-1)])
+    num_layers = torch.tensor([train_routes.shape[2]], device=train_routes.device)
+    return torch.cat([differ.sum(-1).flatten(), replayed.sum(-1).flatten(), num_layers])
 
 
-def routing_stats(stats: StatSet, disagreements: torch.Tensor, num_layers, beta, mask) -> None:
-    """MoE routing agreement per (token, layer) over ``num_layers`` MoE layers between the routing the
-    trainer's forward used and the reference (shadow/generator) routing, the share the replay overrode,
-    and |beta| split by whether a token's routing matched in every layer. ``disagreements``:
-    ``route_disagreements`` summed over every layer of the model (every pipeline stage's)."""
-    differ, replayed = disagreements.unbind(0)
-    any_differ = differ > 0
+def routing_stats(stats: StatSet, train_routes, natural_routes, ref_routes, beta, mask,
+                  sum_stages: Callable[[torch.Tensor], torch.Tensor] = lambda counts: counts) -> None:
+    """MoE routing agreement per (token, layer) between the routing the trainer's forward used and the
+    reference (shadow/generator) routing, the share the replay overrode, and |beta| split by whether a
+    token's routing matched in every layer. Routes are ``[B, S, L, k]`` of this model's MoE layers;
+    ``sum_stages`` adds up ``route_disagreements`` over the pipeline stages (each holding its layers)."""
+    counts = sum_stages(route_disagreements(train_routes, natural_routes, ref_routes))
+    differ, replayed = counts[:-1].view(2, *mask.shape).unbind(0)
+    num_layers, any_differ = counts[-1], differ > 0
     beta_abs = beta.detach().double().abs()
     stats.add_sum("route_decisions", mask.sum() * num_layers)
     stats.add_sum("route_mismatch", masked_sum(differ, mask))
