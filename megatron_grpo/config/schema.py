@@ -313,6 +313,8 @@ MOVED_KEYS = {
                         "optimizer, min_lr, use_distributed_optimizer)",
     "cluster.assume_distributed_optimizer": "policy.megatron_cfg.optimizer.use_distributed_optimizer (the plan "
                                             "now counts what the run will really use)",
+    "generation.vllm_cfg": "policy.precision.generation_dtype (NeMo-RL's generation.vllm_cfg.precision: fp8 is "
+                           "policy.precision.generation_dtype: fp8 here, settings under policy.precision.fp8)",
 }
 """Keys that moved: an old recipe gets an error naming the new place."""
 

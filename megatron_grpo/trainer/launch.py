@@ -13,7 +13,7 @@ from typing import Dict, Optional, Sequence
 from megatron_grpo.config.recipe import load_recipe
 from megatron_grpo.models.qwen3 import load_hf_config, shape_from_hf
 from megatron_grpo.parallel import state
-from megatron_grpo.trainer.layout import check_memory, describe_layout, resolve_model_dir
+from megatron_grpo.trainer.layout import check_machine, check_memory, describe_layout, resolve_model_dir
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +39,7 @@ def main(recipe: str, overrides: Sequence[str], dry_run: bool = False, world_siz
         if dry_run:
             _print_dry_run(describe_layout(cfg, world_size), as_json)
             return 0
+        check_machine(cfg)  # before the heavy imports: a recipe this machine cannot run stops here
         if cfg.cluster.gpu_memory_gib is not None:
             check_memory(cfg, shape_from_hf(load_hf_config(resolve_model_dir(cfg))), world_size)
         from megatron_grpo.trainer.loop import GRPOTrainer  # the heavy boundary: megatron.core, vLLM

