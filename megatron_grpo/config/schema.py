@@ -19,6 +19,7 @@ from megatron_grpo.config.generation import GenerationConfig
 from megatron_grpo.config.logger import LoggerConfig, MLflowConfig, WandbConfig  # noqa: F401  (re-exported)
 from megatron_grpo.config.optim import DDPConfig, OptimizerConfig, SchedulerConfig
 from megatron_grpo.config.precision import DTYPES, PRECISIONS, Fp8Config, PrecisionConfig, to_dtype  # noqa: F401
+from megatron_grpo.config.precision import check_vllm_fp8
 from megatron_grpo.loss import ADVANTAGE_ESTIMATORS
 from megatron_grpo.loss.config import LossConfig
 
@@ -281,6 +282,7 @@ class Config:
                 "policy.precision.compute_dtype=%s differs from generation_dtype=%s with loss_fn.ratio=train: "
                 "phantom clipping is expected. Fixes: match the precisions (compute_dtype=%s, or float16 for both), "
                 "or loss_fn.ratio=shadow.", p.compute_dtype, p.generation_dtype, p.generation_dtype)
+        check_vllm_fp8(p, self.generation.backend, self.generation.delta_push)
         if self.generation.backend == "megatron" and m.pipeline_model_parallel_size > 1:
             raise ValueError("generation.backend=megatron needs policy.megatron_cfg.pipeline_model_parallel_size=1 "
                              f"(got {m.pipeline_model_parallel_size}): its KV-cached decode runs the whole model on "

