@@ -230,3 +230,20 @@ def moe_aux_loss_token_multiplier(num_local_tokens: int, tp_cp_size: int) -> int
     if version() < (0, 19, 0):
         return num_local_tokens
     return num_local_tokens * tp_cp_size
+
+
+FP8_TRAINING_FORMATS = ("e4m3", "hybrid")
+FP8_TRAINING_RECIPES = ("blockwise", "tensorwise", "delayed")
+"""``policy.megatron_cfg.fp8`` / ``fp8_recipe`` choices: ``TransformerConfig.fp8`` is ``Literal['e4m3', 'hybrid']``
+and ``fp8_recipe`` ``Literal['tensorwise', 'delayed', 'mxfp8', 'blockwise', 'custom']`` in 0.16.1 and 0.19.2
+(mxfp8 is Blackwell-only, custom needs a quantizer factory: not offered)."""
+
+
+def fp8_training_fields(fp8: str, recipe: str) -> dict:
+    """The ``TransformerConfig`` fields of FP8 training through Transformer Engine: ``fp8`` (the format, Megatron's
+    ``--fp8-format``) and ``fp8_recipe`` (``--fp8-recipe``). Same names and values in 0.16.1 and 0.19.2; with
+    them set, Megatron-Core's ``TransformerBlock`` runs every layer under TE's ``fp8_autocast``
+    (``fp8_utils.get_fp8_context``: per layer for blockwise / tensorwise, around the block for delayed).
+    Without TE that context is a no-op, which is why a run refuses them there (``trainer/layout.check_machine``)."""
+    assert fp8 in FP8_TRAINING_FORMATS and recipe in FP8_TRAINING_RECIPES, (fp8, recipe)
+    return {"fp8": fp8, "fp8_recipe": recipe}

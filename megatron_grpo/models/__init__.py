@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 
@@ -22,10 +22,12 @@ from megatron_grpo.models.weights import load_hf_weights
 
 def build_from_hf(model_dir: str, *, params_dtype: torch.dtype = torch.float32, router_dtype: str = "fp32",
                   backend: str = "auto", load_weights: bool = True, moe_aux_loss_coeff: float = 0.0,
-                  moe_z_loss_coeff: float = 0.0, sequence_parallel: Optional[bool] = None):
+                  moe_z_loss_coeff: float = 0.0, sequence_parallel: Optional[bool] = None,
+                  fp8_training: Optional[Tuple[str, str]] = None):
     """Builds this rank's Megatron ``GPTModel`` for an HF Qwen3 / Llama checkpoint dir (parallel state must be set).
 
-    ``sequence_parallel``: ``policy.megatron_cfg.sequence_parallel`` (None = on when TP > 1).
+    ``sequence_parallel``: ``policy.megatron_cfg.sequence_parallel`` (None = on when TP > 1); ``fp8_training``:
+    (``policy.megatron_cfg.fp8``, ``fp8_recipe``) for Transformer Engine's FP8 training GEMMs, None = off.
     Returns ``(model, shape)``; the model holds the checkpoint's weights unless ``load_weights=False``.
     """
     from megatron.core import parallel_state as ps
@@ -38,7 +40,7 @@ def build_from_hf(model_dir: str, *, params_dtype: torch.dtype = torch.float32, 
         shape, params_dtype=params_dtype, tp=tp, pp=ps.get_pipeline_model_parallel_world_size(),
         ep=ps.get_expert_model_parallel_world_size(), etp=ps.get_expert_tensor_parallel_world_size(),
         router_dtype=router_dtype, moe_aux_loss_coeff=moe_aux_loss_coeff, moe_z_loss_coeff=moe_z_loss_coeff,
-        sequence_parallel=resolve_sequence_parallel(sequence_parallel, tp, shape),
+        sequence_parallel=resolve_sequence_parallel(sequence_parallel, tp, shape), fp8_training=fp8_training,
     )
     model = build_gpt_model(shape, config, backend=backend)
     if load_weights:

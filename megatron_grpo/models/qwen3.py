@@ -11,11 +11,11 @@ import json
 import logging
 import os
 from dataclasses import dataclass
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 
-from megatron_grpo.compat.megatron import gpt_model
+from megatron_grpo.compat.megatron import fp8_training_fields, gpt_model
 from megatron_grpo.models.spec import model_spec
 
 logger = logging.getLogger(__name__)
@@ -127,8 +127,10 @@ def sequence_multiple(config) -> int:
 
 def transformer_config(shape: ModelShape, *, params_dtype: torch.dtype = torch.float32, tp: int = 1, pp: int = 1,
                        ep: int = 1, etp: int = 1, router_dtype: str = "fp32", moe_aux_loss_coeff: float = 0.0,
-                       moe_z_loss_coeff: float = 0.0, sequence_parallel: bool = False):
-    """A Megatron ``TransformerConfig`` equivalent to the HF Qwen3 / Llama architecture."""
+                       moe_z_loss_coeff: float = 0.0, sequence_parallel: bool = False,
+                       fp8_training: Optional[Tuple[str, str]] = None):
+    """A Megatron ``TransformerConfig`` equivalent to the HF Qwen3 / Llama architecture. ``fp8_training``:
+    (format, recipe) of Transformer Engine's FP8 training GEMMs (``policy.megatron_cfg.fp8`` / ``fp8_recipe``)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     moe: Dict[str, Any] = {}
@@ -155,6 +157,7 @@ def transformer_config(shape: ModelShape, *, params_dtype: torch.dtype = torch.f
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep,
         expert_tensor_parallel_size=etp, sequence_parallel=sequence_parallel,
         calculate_per_token_loss=True, init_method_std=0.02, pipeline_dtype=params_dtype if pp > 1 else None, **moe,
+        **(fp8_training_fields(*fp8_training) if fp8_training else {}),
     )
 
 

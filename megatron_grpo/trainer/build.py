@@ -105,11 +105,12 @@ def build_context(cfg: Config) -> TrainContext:
     backend = resolve_backend(m.transformer_impl, to_dtype(p.compute_dtype))
     model, shape = build_from_hf(model_dir, params_dtype=to_dtype(p.params_dtype), router_dtype=m.moe_router_dtype,
                                  backend=backend, moe_aux_loss_coeff=m.moe_aux_loss_coeff,
-                                 moe_z_loss_coeff=m.moe_z_loss_coeff, sequence_parallel=m.sequence_parallel)
+                                 moe_z_loss_coeff=m.moe_z_loss_coeff, sequence_parallel=m.sequence_parallel,
+                                 fp8_training=m.fp8_training)
     ref_model = None
     if cfg.loss_fn.reference_policy_kl_penalty > 0:
         ref_model, _ = build_from_hf(model_dir, params_dtype=to_dtype(p.params_dtype), backend=backend,
-                                     sequence_parallel=m.sequence_parallel)
+                                     sequence_parallel=m.sequence_parallel, fp8_training=m.fp8_training)
         ref_model.requires_grad_(False)
     model = wrap_model(model, cfg)
     optimizer = Optimizer(model, cfg)

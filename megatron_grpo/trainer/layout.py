@@ -13,6 +13,7 @@ import torch
 from megatron_grpo.config.precision import FP8
 from megatron_grpo.config.schema import Config, to_dict
 from megatron_grpo.models.qwen3 import load_hf_config, shape_from_hf
+from megatron_grpo.models.spec import te_usable
 from megatron_grpo.models.tiny import default_model_dir
 from megatron_grpo.parallel.state import Layout, validate_layout
 from megatron_grpo.rollout.pool import check_engine_shape, engine_placement, format_placement
@@ -92,12 +93,17 @@ def fp8_engine_block(cfg: Config) -> Optional[List[int]]:
     return p.fp8.weight_block_size if p.generation_dtype == FP8 and cfg.generation.backend != "megatron" else None
 
 
-def check_machine(cfg: Config, cuda: Optional[bool] = None, capability: Optional[Tuple[int, int]] = None) -> None:
+def check_machine(cfg: Config, cuda: Optional[bool] = None, capability: Optional[Tuple[int, int]] = None,
+                  te: Optional[bool] = None) -> None:
     """What the recipe asks of the machine a run starts on, checked before anything is built (``--dry-run``
-    validates a recipe for the cluster it describes and does not call this). ``cuda`` and ``capability`` (the
-    GPU's compute capability): None = this machine's."""
+    validates a recipe for the cluster it describes and does not call this). ``cuda``, ``capability`` (the
+    GPU's compute capability) and ``te`` (Transformer Engine usable): None = this machine's."""
     cuda = torch.cuda.is_available() if cuda is None else cuda
-    p, g = cfg.policy.precision, cfg.generation
+    p, g, m = cfg.policy.precision, cfg.generation, cfg.policy.megatron_cfg
+    if m.fp8 is not None and not (cuda and (te_usable() if te is None else te)):
+        raise ValueError(f"policy.megatron_cfg.fp8={m.fp8}: FP8 training runs Transformer Engine's FP8 GEMMs, which "
+                         f"need CUDA and Transformer Engine (this machine: CUDA {'yes' if cuda else 'no'}, TE not "
+                         "usable); set policy.megatron_cfg.fp8=null")
     local_vllm = g.backend != "megatron" and not g.urls  # engines this run starts, on this machine's devices
     if p.generation_dtype == FP8 and local_vllm and not cuda:
         raise ValueError(
