@@ -309,3 +309,38 @@ def test_vllm_fp8_recipes_are_what_vllm_computes():
     with pytest.raises(ValueError, match=r"weight_block_size=\[256, 128\]: vLLM's FP8 engine at generation.tensor_"
                                          r"parallel_size=8 holds 128 k_proj / v_proj rows per worker"):
         check_engine_shape(cfg.generation, shape, [256, 128])
+
+
+def test_fp8_cluster_recipe_dry_run_prints_the_engines_fp8_arguments(capsys, monkeypatch):
+    """The Qwen3-30B-A3B FP8 recipe validates and fits (--dry-run), and tells how its vLLM server must run:
+    vLLM's block FP8 with [128, 128] blocks, every router kept bf16, placeholder weights, DeepGEMM's UE8M0 off."""
+    import json
+
+    from megatron_grpo.trainer import launch
+
+    monkeypatch.chdir(ROOT)
+    recipe = os.path.join("recipes", "grpo-qwen3-30b-a3b-fp8-2x8gpu.yaml")
+    assert launch.main(recipe, [], dry_run=True, world_size=16, as_json=True) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["memory"]["total_gib"] <= 79 and out["config"]["policy"]["precision"]["generation_dtype"] == "fp8"
+    args = out["engine_args"]
+    quantization = json.loads(args[args.index("--hf-overrides") + 1])["quantization_config"]
+    assert quantization["weight_block_size"] == [128, 128] and quantization["activation_scheme"] == "dynamic"
+    assert quantization["modules_to_not_convert"] == [f"model.layers.{i}.mlp.gate" for i in range(48)]
+    assert args[args.index("--load-format") + 1] == "dummy" and out["engine_env"] == {"VLLM_USE_DEEP_GEMM_E8M0": "0"}
+    assert launch.main(recipe, [], dry_run=True, world_size=16) == 0
+    assert "FP8 engines run with VLLM_USE_DEEP_GEMM_E8M0=0 and: --quantization fp8" in capsys.readouterr().out
+
+
+def test_plan_counts_an_fp8_generators_bytes_like_the_push(tiny_dense):
+    """A colocated FP8 engine's weights in the memory plan: its quantized linears at 1 B per value + 4 B per
+    block scale, the rest (embeddings, norms, the bf16 layer) at 2 B: the bytes of the reference push."""
+    from megatron_grpo.models.qwen3 import load_hf_config, shape_from_hf
+    from megatron_grpo.trainer.plan import generator_weight_bytes
+
+    cfg = from_dict(Config, {"policy": {"model_name": tiny_dense, "precision": {
+        "params_dtype": "bfloat16", "compute_dtype": "bfloat16", "generation_dtype": "fp8",
+        "fp8": {"weight_block_size": [32, 32], "activation_block_size": 32, "num_first_layers_in_bf16": 1}}}})
+    pushed = reference_push(tiny_dense, cfg.policy.precision.fp8.recipe())
+    expected = sum(t.numel() * t.element_size() for t in pushed.values())
+    assert generator_weight_bytes(cfg, shape_from_hf(load_hf_config(tiny_dense))) == expected

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shlex
 from typing import Dict, Optional, Sequence
 
 from megatron_grpo.config.recipe import load_recipe
@@ -25,6 +26,9 @@ def _print_dry_run(described: Dict, as_json: bool) -> None:
     layout = ", ".join(f"{k}={v}" for k, v in described["layout"].items())
     print(f"layout: {layout}")
     print(described["engines_table"])
+    if described["engine_args"]:  # what a vLLM server started by hand needs for generation_dtype fp8
+        env = " ".join(f"{k}={v}" for k, v in described["engine_env"].items())
+        print(f"FP8 engines run with {env} and: {shlex.join(described['engine_args'])}")
     print(described["memory_table"] or "memory plan: none (policy.model_name is not a local HF checkpoint dir)")
 
 

@@ -12,10 +12,12 @@ import torch
 
 from megatron_grpo.config.precision import FP8
 from megatron_grpo.config.schema import Config, to_dict
+from megatron_grpo.models.fp8_hf import hf_quantization_config, vllm_env
 from megatron_grpo.models.qwen3 import load_hf_config, shape_from_hf
 from megatron_grpo.models.spec import te_usable
 from megatron_grpo.models.tiny import default_model_dir
 from megatron_grpo.parallel.state import Layout, validate_layout
+from megatron_grpo.rollout.engines.vllm_server import server_args
 from megatron_grpo.rollout.pool import check_engine_shape, engine_placement, format_placement
 from megatron_grpo.trainer.plan import check_fits, format_plan, memory_plan
 
@@ -60,8 +62,11 @@ def describe_layout(cfg: Config, world_size: int) -> Dict:
     validate_layout(layout, num_layers=shape.num_layers if shape else None,
                     num_experts=shape.num_experts if shape else None,
                     num_query_groups=shape.num_kv_heads if shape else None)
-    plan = None
+    plan, engine_args, engine_env = None, [], {}
     if shape is not None:
+        if fp8_engine_block(cfg) is not None:  # what a server started by hand must be given (vllm serve ...)
+            recipe = cfg.policy.precision.fp8.recipe()
+            engine_args, engine_env = server_args(hf_quantization_config(recipe, shape)), vllm_env(recipe)
         check_moe_options(cfg, shape)
         check_engine_shape(cfg.generation, shape, fp8_engine_block(cfg))
         plan = check_memory(cfg, shape, world_size)
@@ -72,7 +77,8 @@ def describe_layout(cfg: Config, world_size: int) -> Dict:
     return {"config": to_dict(cfg), "layout": {"world_size": layout.world_size, "tp": layout.tp, "pp": layout.pp,
                                                "cp": layout.cp, "ep": layout.ep, "etp": layout.etp, "dp": layout.dp},
             "memory": plan.to_dict() if plan else None, "memory_table": format_plan(plan) if plan else None,
-            "engines": engines, "engines_table": format_placement(cfg.generation, world_size, local)}
+            "engines": engines, "engines_table": format_placement(cfg.generation, world_size, local),
+            "engine_args": engine_args, "engine_env": engine_env}
 
 
 def _local_shape(cfg: Config):

@@ -20,7 +20,9 @@ import importlib.util
 from dataclasses import asdict, dataclass
 from typing import Dict, List, Optional, Tuple
 
+from megatron_grpo.config.precision import FP8
 from megatron_grpo.config.schema import DTYPES, Config
+from megatron_grpo.models.fp8 import quantized_layer_ids
 from megatron_grpo.models.qwen3 import ModelShape, resolve_sequence_parallel
 from megatron_grpo.parallel.logprobs import DEFAULT_CHUNK_SIZE
 from megatron_grpo.rollout.transfer.transport import resolve_transport
@@ -278,9 +280,30 @@ def generator_colocated(cfg: Config) -> bool:
 def generator_weight_bytes(cfg: Config, shape: ModelShape) -> float:
     """One engine's weights on one of its devices: the model in the generation dtype over its
     ``generation.tensor_parallel_size`` devices (colocated engine e sits on ranks e*TP ...; more
-    engines than devices would share them: the dry run says so)."""
-    return (count_params(shape).num_local * DTYPES[cfg.policy.precision.generation_dtype].itemsize
-            / cfg.generation.tensor_parallel_size)
+    engines than devices would share them: the dry run says so). fp8: the quantized linears at 1 B per
+    value + a 4 B scale per block, everything else (embeddings, norms, routers, bf16 layers) in bf16."""
+    p, total = cfg.policy.precision, count_params(shape).num_local
+    if p.generation_dtype != FP8:
+        return total * DTYPES[p.generation_dtype].itemsize / cfg.generation.tensor_parallel_size
+    recipe = p.fp8.recipe()
+    quantized = linear_params(shape) * len(quantized_layer_ids(shape.num_layers, recipe))
+    per_value = 1 + 4 / (recipe.weight_block_size[0] * recipe.weight_block_size[1])
+    return ((total - quantized) * 2 + quantized * per_value) / cfg.generation.tensor_parallel_size
+
+
+def linear_params(shape: ModelShape) -> int:
+    """Elements of one decoder layer's linears, what FP8 quantizes: attention projections and the MLP or
+    every expert (not the router)."""
+    h, d = shape.hidden_size, shape.head_dim
+    mlp = shape.moe_ffn_hidden_size * shape.num_experts if shape.is_moe else shape.ffn_hidden_size
+    return h * (2 * shape.num_heads + 2 * shape.num_kv_heads) * d + 3 * h * mlp
+
+
+def generation_itemsize(cfg: Config) -> int:
+    """Bytes per element of the generator's activations, KV cache and pushed tensors: the generation dtype's;
+    bf16 for fp8 (what runs around its FP8 GEMMs; an upper bound for the pushed linears: 1 B + scales)."""
+    gen = cfg.policy.precision.generation_dtype
+    return 2 if gen == FP8 else DTYPES[gen].itemsize
 
 
 def _generator_term(cfg: Config, shape: ModelShape, budget_gib) -> Term:
@@ -291,7 +314,7 @@ def _generator_term(cfg: Config, shape: ModelShape, budget_gib) -> Term:
                     f"vLLM reserves generation.gpu_memory_utilization={g.gpu_memory_utilization} of the device "
                     "(weights + KV cache)")
     num_seqs = cfg.grpo.num_prompts_per_step * cfg.grpo.num_generations_per_prompt
-    size = DTYPES[cfg.policy.precision.generation_dtype].itemsize
+    size = generation_itemsize(cfg)
     kv = 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * g.max_model_len * num_seqs * size
     return Term("generator (colocated)", generator_weight_bytes(cfg, shape) + kv, keys + ("generation.max_model_len",),
                 f"estimate: weights + KV cache of {num_seqs} sequences x max_model_len={g.max_model_len}")
@@ -329,7 +352,7 @@ def _push_term(cfg: Config, shape: ModelShape) -> Term:
     """A stage leader during the weight push: ``PUSH_BUCKETS_IN_FLIGHT`` buckets plus the tensor being
     gathered (its shards and the unsharded result), in the generation dtype. A bucket closes only
     between layers, so it can hold the size limit plus one whole layer (a MoE layer's experts: GiBs)."""
-    g, size = cfg.generation, DTYPES[cfg.policy.precision.generation_dtype].itemsize
+    g, size = cfg.generation, generation_itemsize(cfg)
     largest = largest_hf_tensor(shape)
     bucket = g.weight_push_bucket_mb * 2 ** 20 + max(layer_hf_elements(shape), largest) * size
     return Term("weight push buffers", PUSH_BUCKETS_IN_FLIGHT * bucket + 2 * largest * size,
@@ -362,7 +385,7 @@ def _uses_nccl_transport(cfg: Config, world_size: int) -> bool:
 
 
 def _packed_term(cfg: Config, shape: ModelShape) -> Term:
-    tensor = largest_hf_tensor(shape) * DTYPES[cfg.policy.precision.generation_dtype].itemsize
+    tensor = largest_hf_tensor(shape) * generation_itemsize(cfg)
     return Term("vLLM nccl packed buffers", VLLM_PACKED_NUM_BUFFERS * (VLLM_PACKED_BUFFER_BYTES + tensor),
                 ("generation.weight_transfer",),
                 f"trainer rank 0 only: vLLM's nccl transfer packs the push into {VLLM_PACKED_NUM_BUFFERS} buffers of "
