@@ -146,8 +146,12 @@ def test_gpu_check_dry_run_trains_runs_a_and_b(tmp_path):
     for low in ("bf16", "fp16"):
         assert beta[f"err_vs_fp64_{low}_abs_mean"] > 50 * fp32_err
         assert beta[f"err_vs_fp64_{low}_abs_mean"] == pytest.approx(beta[f"beta_{low}_abs_mean"], abs=1e-5)
+    fp8 = phases["fp8"]["measurements"]  # our emulated FP8 GEMM vs torch._scaled_mm's on the same bytes
+    assert fp8["weight_block_size"] == [32, 32] and fp8["num_fp8_linears"] == 2 * 4 and fp8["gemm_equal_fraction"] > 0.5
+    assert 0 < fp8["lp_residual_abs_mean"] <= 2 * fp8["lp_fp32_noise_abs_mean"] < 2 * fp8["lp_fp8_gap_abs_mean"]
     notes = "\n".join(results["not_measured"])
     assert "vLLM generation" in notes and "Transformer Engine GEMMs" in notes and "dry run on CPU" in notes
+    assert "vLLM's FP8 kernels" in notes
     assert not any(n.startswith(f"{p} (") for n in results["not_measured"] for p in PHASES)  # every phase ran
 
 
@@ -270,7 +274,7 @@ def test_gpu_check_json_writer_and_phase_selection(tmp_path):
 
     assert gc.parse_phases("") == list(gc.PHASES)
     assert gc.parse_phases("beta, smoke") == ["preflight", "smoke", "beta"]
-    with pytest.raises(ValueError, match="unknown phase.*gamma.*valid: preflight,smoke,beta,A,shadow,fp16,B"):
+    with pytest.raises(ValueError, match="unknown phase.*gamma.*valid: preflight,smoke,beta,fp8,A,shadow,fp16,B"):
         gc.parse_phases("beta,gamma")
     env = dict(os.environ, GPU_CHECK_DRY="1", PYTHON=sys.executable, GPU_CHECK_PHASES="beta,gamma",
                GPU_CHECK_WORK=str(tmp_path / "work"))
