@@ -40,23 +40,9 @@ def _make_smollm2(args) -> int:
 
 def _parity_demo(args) -> int:
     """Loads an HF Qwen3 / Llama checkpoint into Megatron-Core and compares logits with transformers."""
-    import torch
-    import transformers
+    from megatron_grpo.models.hf_parity import parity_demo  # megatron.core, transformers
 
-    from megatron_grpo.models import build_from_hf, forward_logits
-    from megatron_grpo.models.tiny import default_model_dir
-    from megatron_grpo.parallel import state
-
-    model_dir = args.model or default_model_dir()
-    state.initialize_model_parallel(state.Layout(world_size=1))
-    model, shape = build_from_hf(model_dir)
-    ids = torch.randint(0, shape.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        ours = forward_logits(model, ids)
-        ref = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)(ids).logits
-    diff = (ours - ref).abs().max().item()
-    print(f"model {model_dir}: Megatron-Core vs transformers logits max |diff| = {diff:.3e}")
-    return 0 if diff <= 1e-4 else 1
+    return parity_demo(args.model)
 
 
 def _train(args) -> int:

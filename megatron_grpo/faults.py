@@ -6,11 +6,15 @@
 - ``MEGATRON_GRPO_FAULT_KILL_GENERATOR_STEP=N``: SIGKILL the generator (vLLM process or
   server) just before step N generates - a generator crash.
 - ``MEGATRON_GRPO_FAULT_KILL_GENERATOR=phase:N[,phase:N ...]``: SIGKILL the generator just
-  before step N's ``generate``, weight ``push`` or parity ``probe``.
+  before step N's ``generate``, weight ``push`` or parity ``probe``; ``start:K`` SIGKILLs the
+  K-th generator process this run starts (a vLLM engine; 1 = the first, 2 = the first restart)
+  right after it is spawned, so it dies while starting: ``generate:2,start:2`` kills the generator
+  during step 2's generation and again while it restarts.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 import signal
 from typing import Optional
@@ -22,6 +26,7 @@ NAN_AT_STEP = "MEGATRON_GRPO_FAULT_NAN_STEP"
 KILL_GENERATOR_STEP = "MEGATRON_GRPO_FAULT_KILL_GENERATOR_STEP"
 KILL_GENERATOR = "MEGATRON_GRPO_FAULT_KILL_GENERATOR"
 _generator_killed = set()
+_generator_starts = itertools.count(1)
 
 
 def env_step(name: str) -> Optional[int]:
@@ -58,3 +63,10 @@ def maybe_kill_generator(step: int, engine, phase: str = "generate") -> None:
         return
     _generator_killed.add((phase, step))
     engine.kill_process()
+
+
+def maybe_kill_starting_generator(process) -> None:
+    """Counts the generator processes this run starts; kills ``process`` (just spawned, not yet
+    ready) when it is the one armed as ``start:K``."""
+    if ("start", next(_generator_starts)) in _armed_generator_kills():
+        process.kill()

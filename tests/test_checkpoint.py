@@ -173,20 +173,23 @@ def test_server_killed_mid_run_recovers_without_corrupting_checkpoints(tmp_path,
 
 @pytest.mark.vllm
 def test_generator_killed_in_every_phase_recovers_with_the_uninterrupted_metrics(tmp_path, tiny_dense):
-    """The generator dies before step 2's generation, during step 3's weight push and before step
-    4's parity probe: each time it is restarted and re-pushed, the retried generation asks for the
-    same prompts and seeds, and every step's metrics equal an uninterrupted run's."""
+    """The generator dies before step 2's generation (and again while it restarts: the run's 2nd vLLM
+    start), during step 3's weight push and before step 4's parity probe: each time it is restarted and
+    re-pushed (the failed start is one more restart), the retried generation asks for the same prompts and
+    seeds, and every step's metrics equal an uninterrupted run's."""
     common = [f"policy.model_name={tiny_dense}", "grpo.max_num_steps=4"]
     code, out, straight = run_cli(common, str(tmp_path / "straight"))
     assert code == 0, out[-3000:]
-    os.environ["MEGATRON_GRPO_FAULT_KILL_GENERATOR"] = "generate:2,push:3,probe:4"
+    os.environ["MEGATRON_GRPO_FAULT_KILL_GENERATOR"] = "generate:2,start:2,push:3,probe:4"
     try:
         code, out, rows = run_cli(common + ["checkpointing.save_period=1",
                                             f"checkpointing.checkpoint_dir={tmp_path / 'ck'}"], str(tmp_path / "run"))
     finally:
         del os.environ["MEGATRON_GRPO_FAULT_KILL_GENERATOR"]
     assert code == 0, out[-3000:]
-    for phase in ("generation at step 2", "the weight push at step 3", "the parity probe at step 4"):
+    for phase in ("generation at step 2", "the weight push at step 3", "the parity probe at step 4",
+                  "its restart at step 2 (engine 0 of 1 failed to start: vLLM generator process died during start "
+                  "(exit code -9))"):
         assert f"generator failed during {phase}" in out, phase
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     for a, b in zip(straight, rows):

@@ -47,6 +47,55 @@ def test_write_up_variants_change_one_thing():
     assert load_recipe(os.path.join(ROOT, "recipes", "grpo-tiny-phantom-cpu.yaml")).generation.max_staleness == 1
 
 
+def _field_defaults(cls, prefix=""):
+    """``{key: declared default}`` of every leaf field of the recipe schema (the dataclasses under ``cls``)."""
+    import dataclasses
+    import typing
+
+    from megatron_grpo.config.schema import _dataclass_of
+
+    hints, out = typing.get_type_hints(cls), {}
+    for f in dataclasses.fields(cls):
+        sub = _dataclass_of(hints[f.name])
+        if sub is not None:
+            out.update(_field_defaults(sub, f"{prefix}{f.name}."))
+        else:
+            out[prefix + f.name] = f.default_factory() if f.default is dataclasses.MISSING else f.default
+    return out
+
+
+def test_base_recipe_documents_every_key_with_its_default():
+    """grpo-base.yaml says it documents every key: each field of every config dataclass is in it, with its
+    declared default (so the base recipe is the defaults, spelt out)."""
+    import yaml
+
+    with open(os.path.join(ROOT, "recipes", "grpo-base.yaml")) as f:
+        base = yaml.safe_load(f)
+
+    def lookup(key):
+        tree = base
+        for part in key.split("."):
+            if not isinstance(tree, dict) or part not in tree:
+                return "<missing>"
+            tree = tree[part]
+        return tree
+
+    defaults = _field_defaults(Config)
+    assert len(defaults) > 100 and "policy.dynamic_batching.max_tokens_per_microbatch" in defaults
+    assert {k: lookup(k) for k, v in defaults.items() if lookup(k) != v} == {}
+
+
+def test_packing_with_dynamic_batching_is_an_error_naming_the_row_key():
+    """NeMo-RL asserts "Sequence Packing is exclusive of Dynamic Batching"; here packing with a token budget
+    silently took max_tokens_per_microbatch as the row and ignored train_mb_tokens."""
+    both = {"sequence_packing": {"enabled": True, "train_mb_tokens": 96}, "dynamic_batching": {"enabled": True}}
+    with pytest.raises(ValueError, match=r"policy.sequence_packing.enabled=true cannot be combined with "
+                                         r"policy.dynamic_batching.enabled=true.*train_mb_tokens \(now 96"):
+        from_dict(Config, {"policy": both})
+    for one in ("sequence_packing", "dynamic_batching"):
+        assert getattr(from_dict(Config, {"policy": {one: both[one]}}).policy, one).enabled
+
+
 def test_unknown_key_names_key_and_file(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("defaults: " + os.path.join(ROOT, "recipes", "grpo-base.yaml") + "\npolicy: {learning_rate: 1}\n")

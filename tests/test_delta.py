@@ -80,6 +80,33 @@ def test_sha_entry_is_the_full_tensors_digest():
     assert bytes(sha.numpy()).hex() == hashlib.sha256(t.view(torch.uint8).numpy()).hexdigest()
 
 
+def test_changes_pack_into_fewer_bytes_than_the_shard_and_the_sender_completes_small_tensors():
+    """A rank's changed elements travel as (int32 index, value) pairs padded to the group's count (-1 indices);
+    the sender rebuilds values (0 where unchanged) and the mask, completes a checksummed tensor from its kept
+    whole copy, and must send a larger partial tensor as a patch even when the patch is not smaller."""
+    shard = torch.arange(12, dtype=torch.float32).to(torch.bfloat16).view(3, 4)
+    mask = torch.zeros(3, 4, dtype=torch.uint8)
+    mask[0, 1] = mask[2, 3] = 1
+    packed = D.pack_changes(shard, mask, 3)
+    assert packed.dtype == torch.uint8 and packed.numel() == 3 * (4 + 2) < shard.numel() * 2
+    assert packed[:12].view(torch.int32).tolist() == [1, 11, -1]
+    values, got = D.unpack_changes(packed, shard)
+    assert torch.equal(got, mask) and values[0, 1] == 1 and values[2, 3] == 11 and values.sum() == 12
+    assert D.patch_fits(3, 12, 2) and not D.patch_fits(4, 12, 2)  # 4 x 6 B = the 24 B of 12 bf16 values
+    state = D.DeltaState()
+    state.fulls["w"] = shard + 100
+    whole, exact = state.settle("w", values, got, partial=True, digest_max_numel=12)
+    expected = (shard + 100).clone()
+    expected[0, 1], expected[2, 3] = 1, 11
+    assert exact and torch.equal(whole, expected) and state.fulls["w"] is whole
+    large, exact = state.settle("big", values, got, partial=True, digest_max_numel=11)
+    assert not exact and large is values and "big" not in state.fulls
+    everything = torch.ones(3, 4, dtype=torch.uint8)
+    entries, patched = D.encode("big", values, everything, 0, exact=False)
+    assert patched and [n for n, _ in entries] == ["big" + D.INDEX, "big" + D.VALUE]
+    assert D.encode("big", values, everything, 0)[1] is False  # exact values: dense is cheaper
+
+
 def test_recipe_keys_are_validated():
     from megatron_grpo.config.generation import GenerationConfig
 
@@ -141,3 +168,113 @@ def test_delta_push_through_tp_ep_gathers_rebuilds_the_dense_tensors(layout, tin
     assert [r[0] for r in rows] == [True, False, False, False]
     assert all(same for _, same, _, _ in rows)
     assert all(sent < 0.1 * dense for full, _, sent, dense in rows if not full)
+
+
+def _counting(comm, counted):
+    """Wraps ``comm``'s collectives the push uses: bytes this rank contributes to multi-rank gathers, and to
+    the other collectives (the per-tensor change counts)."""
+    gather_to, all_reduce_max = comm.gather_to, comm.all_reduce_max
+
+    def counting_gather(tensor, dst, group=None):
+        counted["gather"] += tensor.numel() * tensor.element_size() if comm.group_size(group) > 1 else 0
+        return gather_to(tensor, dst, group)
+
+    def counting_max(tensor, group=None):
+        counted["other"] += tensor.numel() * tensor.element_size() if comm.group_size(group) > 1 else 0
+        return all_reduce_max(tensor, group)
+
+    comm.gather_to, comm.all_reduce_max = counting_gather, counting_max
+
+
+def _gather_bytes_worker(model_dir, digest_limits):
+    """Tiny Qwen3-MoE at TP = 2 x EP = 2 on 2 ranks (dense weights gathered over TP, experts over EP), bf16 pushes
+    of fp32 weights: per series (``digest_limits``: the size up to which pushed tensors are checksummed, so the
+    sender completes them from its kept copy) a full push, sparse, dense and sparse changes, no change. Per push and
+    rank: the bytes it contributed to the gathers and other collectives of the delta push, then of a dense push
+    of the same weights; whether rank 0's engine holds exactly the dense push's tensors; the bytes the delta
+    state keeps."""
+    import os
+
+    from megatron_grpo.models import build_from_hf
+    from megatron_grpo.parallel import comm, state
+    from megatron_grpo.rollout.transfer import weight_sync as W
+
+    state.initialize_model_parallel(state.Layout(world_size=int(os.environ["WORLD_SIZE"]), tp=2, ep=2))
+    model, shape = build_from_hf(model_dir, sequence_parallel=True)
+    counted = {"gather": 0, "other": 0}
+    _counting(comm, counted)
+    gen, out = torch.Generator().manual_seed(1), []
+    for limit in digest_limits:
+        W.DIGEST_MAX_NUMEL = limit
+        engine = _Receiver() if int(os.environ["RANK"]) == 0 else None
+        delta = D.DeltaState(full_every=0)
+        for version, change in enumerate(("none", "sparse", "dense", "sparse", "none")):
+            with torch.no_grad():
+                for p in model.parameters():  # same draws on every rank: replicated params stay equal
+                    if change == "sparse":
+                        p.view(-1)[torch.randint(p.numel(), (3,), generator=gen)] += 0.1
+                    elif change == "dense":
+                        p.add_(torch.randn(p.shape, generator=gen) * 0.1)
+            counted.update(gather=0, other=0)
+            report = W.push_weights(model, shape, engine, version, dtype=torch.bfloat16, bucket_mb=0.25, delta=delta)
+            pushed = dict(counted)
+            counted.update(gather=0, other=0)
+            dense = {n: t.clone() for n, t in W.hf_tensors_on_rank0(model, shape, torch.bfloat16)}
+            same = engine is None or (sorted(dense) == sorted(engine.weights) and all(
+                torch.equal(dense[n].view(torch.int16), engine.weights[n].view(torch.int16)) for n in dense))
+            kept = {n: t.numel() * t.element_size() for n, t in {**delta.shards, **getattr(delta, "fulls", {})}.items()}
+            out.append(dict(limit=limit, version=version, change=change, full=report.full, same=same, delta=pushed,
+                            dense=dict(counted), sent=report.num_bytes, sent_dense=report.dense_bytes, kept=kept))
+    return out
+
+
+def test_delta_gathers_at_most_the_dense_bytes_at_tp2_ep2_and_the_plan_counts_the_kept_copy(tiny_moe):
+    """One launch, tiny Qwen3-MoE at TP = 2 x EP = 2, bf16 pushes; each series (sender's checksum limit 1M, i.e.
+    every tensor completed from its kept copy, and 0: every gathered tensor sent as a patch) is bit-identical to
+    a dense push after every push. Per rank, the dense gather carries this rank's bf16 shards of every TP-split
+    weight and expert (measured: 655,360 B); the old delta push sent a uint8 mask beside them (983,040 B, 1.5x)
+    on every delta push, dense change or not. Now a full push gathers the dense bytes, a dense change the
+    dense bytes (+ 16 B per gathered tensor: the change counts), three changed elements per weight at most
+    three (index, value) pairs per gather, no change the counts alone. Rank 0 keeps its shards (+ the small gathered tensors whole, which the plan's
+    "delta push copy" counts); rank 1 keeps no replicated weight (the old code kept them: 658,944 B)."""
+    from megatron_grpo.models.qwen3 import load_hf_config, shape_from_hf
+    from megatron_grpo.trainer.plan import count_params, gathered_checksummed_elements, largest_hf_tensor, memory_plan
+    from megatron_grpo.config.schema import Config, from_dict
+    from tests._dist import run_distributed
+
+    shape = shape_from_hf(load_hf_config(tiny_moe))
+    h, d, e, layers = shape.hidden_size, shape.head_dim, shape.num_experts, shape.num_layers
+    count = count_params(shape, tp=2, ep=2)
+    replicated = layers * (2 * h + 2 * d + e * h) + h  # norms, q/k norms, router, final norm
+    dense_gather = 2 * (count.num_local - replicated)
+    gathers = (1 if shape.tie_word_embeddings else 2) + 2 * layers + 3 * layers * e // 2  # TP: qkv, o; EP: gate, up, down
+    counts = 16 * gathers  # one [count, inexact] int64 all-reduce per delta gather
+    rank0, rank1 = run_distributed(_gather_bytes_worker, 2, tiny_moe, (1 << 20, 0))
+    whole = gathered_checksummed_elements(shape, tp=2, ep=2)
+    assert whole == layers * ((2 * shape.num_heads + 2 * shape.num_kv_heads) * d * h + 3 * e * shape.moe_ffn_hidden_size * h) \
+        + 2 * shape.vocab_size * h  # every TP-split tensor and expert is small here (plus embedding and lm_head)
+    for rank, rows in enumerate((rank0, rank1)):
+        for row in rows:
+            assert row["same"], row
+            assert row["dense"] == {"gather": dense_gather, "other": 0}
+            delta = row["delta"]
+            assert row["full"] == (row["version"] == 0)
+            if row["full"]:
+                assert delta == row["dense"]
+            elif row["change"] == "none":  # nothing changed: only the counts travel
+                assert delta == {"gather": 0, "other": counts}
+            elif row["change"] == "dense":
+                assert delta["gather"] == dense_gather and delta["other"] == counts
+            else:  # at most 3 (int32 index, bf16 value) pairs per gather: each shard has 3 changed elements
+                assert 0 < delta["gather"] <= gathers * 3 * (4 + 2) and delta["other"] == counts
+            kept = sum(row["kept"].values())
+            if rank == 1:
+                assert kept == dense_gather and not [n for n in row["kept"] if "norm" in n or "router" in n]
+            else:
+                assert kept == 2 * (count.num_local + (whole if row["limit"] else 0))
+    cfg = from_dict(Config, {"policy": {"precision": {"generation_dtype": "bfloat16"},
+                                        "megatron_cfg": {"tensor_model_parallel_size": 2,
+                                                         "expert_model_parallel_size": 2}},
+                             "generation": {"delta_push": True}})
+    planned = memory_plan(cfg, shape, 2).term("delta push copy").bytes
+    assert planned == sum(rank0[0]["kept"].values()) + 2 * largest_hf_tensor(shape)

@@ -109,6 +109,21 @@ def test_ratio_values():
     assert torch.equal(one_ratio(lp, old, shadow), torch.ones_like(lp))
 
 
+def test_value_reads_log_probs_is_declared_truthfully():
+    """``detach_center`` skips its pre-pass of the trainer's log-probs only for a source that declares its
+    ratio value independent of them (given the shadow's): for every registered source, the declaration
+    matches whether moving the trainer's log-probs moves the value."""
+    from megatron_grpo.loss.ratios import value_reads_log_probs
+
+    lp, old, shadow, *_ = _batch()
+    for name in RATIO_SOURCES.names():
+        source = RATIO_SOURCES.get(name)
+        args = (3.0,) if getattr(source, "takes_gap_scale", False) else ()
+        moved = not torch.equal(source(lp, old, shadow, *args), source(lp + 0.25, old, shadow, *args))
+        assert value_reads_log_probs(name) == moved, name
+    assert not value_reads_log_probs("shadow") and value_reads_log_probs("gap_scaled")
+
+
 def test_gap_scaled_ratio_scales_only_beta_in_the_value():
     """k = 1 is ``train``, k = 0 is ``shadow``, k = 3 puts alpha + 3 beta in the value; the gradient is d lp
     whatever k; per-token k follows the generator's log-prob buckets; the config refuses misuse by key."""

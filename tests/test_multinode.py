@@ -1,9 +1,11 @@
-"""``torchrun --nnodes 2`` across two hosts: two network namespaces joined by a veth pair (node 0 at
-10.232.0.1, node 1 at 10.232.0.2; static rendezvous on node 0's address), no interface variable set by
-hand. Each node's gloo must bind its address on the route to ``MASTER_ADDR`` (``parallel/net.py``):
-left to itself it binds the hostname's 127.0.0.1 and the run dies at start-up (``Gloo connectFullMesh
-failed ... remote=[127.0.0.1]``). Where network namespaces cannot be made (not root), both nodes run
-on 127.0.0.1 (warned, not skipped)."""
+"""``torchrun --nnodes 2`` across two hosts as ``tools/slurm/grpo.sbatch`` launches it: two network
+namespaces joined by a veth pair (node 0 at 10.232.0.1, node 1 at 10.232.0.2), each with its own
+hostname that it resolves to 127.0.1.1 itself (a Debian/Ubuntu node's ``/etc/hosts``), c10d rendezvous on
+node 0's hostname (``--rdzv-endpoint HEAD:PORT``), no interface variable set by hand. torchrun then sets
+``MASTER_ADDR`` to the head's hostname: node 1's gloo must bind its address on the route to it, the
+head's the interface of its default route (``parallel/net.py``); left to itself gloo binds the
+hostname's loopback address. Where network namespaces cannot be made (not root), both nodes run on
+127.0.0.1 (warned, not skipped)."""
 
 import os
 import signal
@@ -71,16 +73,17 @@ def _wait_all(procs, timeout, grace=FAIL_FAST_GRACE_S):
 
 
 def launch(hosts, args, log_dir, nproc_per_node=1, timeout=600):
-    """``megatron-grpo train`` under ``torchrun --nnodes len(hosts)``, one launcher per host (static
-    rendezvous on host 0's address); returns (exit codes, each node's output, metrics rows)."""
+    """``megatron-grpo train`` under ``torchrun --nnodes len(hosts)``, one launcher per host, c10d
+    rendezvous on host 0 (by hostname where hosts have one: the head ranks first, names sort so);
+    returns (exit codes, each node's output, metrics rows)."""
     os.makedirs(log_dir, exist_ok=True)
     port = "29500" if hosts[0].prefix else str(_free_port())  # a fresh namespace has every port free
     procs, logs = [], []
     for i, host in enumerate(hosts):
         cmd = host.prefix + [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(len(hosts)),
-                             "--nproc-per-node", str(nproc_per_node), "--rdzv-backend", "static", "--master-addr",
-                             hosts[0].address, "--master-port", port, "--node-rank", str(i), "-m", "megatron_grpo",
-                             "train", RECIPE, f"logger.log_dir={log_dir}"] + list(args)
+                             "--nproc-per-node", str(nproc_per_node), "--max-restarts", "0", "--rdzv-backend",
+                             "c10d", "--rdzv-endpoint", f"{hosts[0].reach}:{port}", "--rdzv-id", "multinode-test",
+                             "-m", "megatron_grpo", "train", RECIPE, f"logger.log_dir={log_dir}"] + list(args)
         logs.append(open(os.path.join(log_dir, f"node{i}.log"), "a"))
         procs.append(subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=logs[-1], stderr=subprocess.STDOUT,
                                       start_new_session=True))
@@ -119,9 +122,9 @@ def test_a_launcher_that_dies_ends_the_wait_for_the_others():
 
 @pytest.fixture(scope="module")
 def two_hosts():
-    """Node 0 and node 1: two network namespaces (``mgb<pid>n0`` at 10.232.0.1, ``mgb<pid>n1`` at
-    10.232.0.2), or both on 127.0.0.1 where namespaces cannot be made."""
-    with veth_hosts("mgb", "10.232.0") as hosts:
+    """Node 0 and node 1: two network namespaces (``mgb<pid>n0``, host ``mgb<pid>h0`` at 10.232.0.1;
+    ``mgb<pid>n1``, host ``mgb<pid>h1`` at 10.232.0.2), or both on 127.0.0.1 where namespaces cannot be made."""
+    with veth_hosts("mgb", "10.232.0", named=True) as hosts:
         if hosts is None:
             warnings.warn("the two nodes run on 127.0.0.1 (no network namespaces): gloo's binding is not tested")
             hosts = [Host([], "127.0.0.1"), Host([], "127.0.0.1")]
@@ -156,9 +159,12 @@ def test_two_nodes_train_save_and_resume_equal_one_host(two_hosts, megatron_runs
     for launches, node_outs in enumerate((outs, resumed_outs), start=1):  # each launch appends to node<i>.log
         for out in node_outs:  # every rank freed its process groups before exiting (no abort at exit)
             assert out.count(CLEAN_EXIT) == launches, out[-3000:]
-    if two_hosts[0].prefix:  # each node bound gloo to its end of the veth pair, found on the route
-        for i, out in enumerate(outs + resumed_outs):
-            assert f"gloo binds to mgb{os.getpid()}v{i % 2} (10.232.0.{i % 2 + 1}" in out, out[-3000:]
+    if two_hosts[0].prefix:  # each node bound gloo to its end of the veth pair: node 1 on the route to the
+        for i, out in enumerate(outs + resumed_outs):  # head's name, the head (loopback there) its default route's
+            where = ("its default route: MASTER_ADDR=mgb{}h0 is loopback here, the head node" if i % 2 == 0 else
+                     "the route to MASTER_ADDR=mgb{}h0").format(os.getpid())
+            assert f"gloo binds to mgb{os.getpid()}v{i % 2} (10.232.0.{i % 2 + 1}, this node's address on {where})" \
+                in out, out[-3000:]
 
 
 @pytest.mark.vllm

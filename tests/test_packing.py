@@ -4,6 +4,8 @@ token attends across sequences; THD ``PackedSeqParams`` boundaries; DP=2, TP=2 w
 MoE (tiny Qwen3-MoE, z-loss on): the same plus every moe/* routing metric, with R3 (and R2) replay
 laid out per packed token, in one process, at EP=2 and at TP=2 with SP."""
 
+import weakref
+
 import pytest
 import torch
 
@@ -20,7 +22,8 @@ CLIP0 = "policy.megatron_cfg.optimizer.clip_grad=0"
 MOE = ("policy.megatron_cfg.moe_z_loss_coeff=0.1",)
 R3 = MOE + ("policy.megatron_cfg.moe_routing_replay=R3",)
 R2 = MOE + ("policy.megatron_cfg.moe_routing_replay=R2",)
-MOE_MODES = {"padded": R3, "packed": R3 + PACKED, "budget": R3 + BUDGET, "packed+budget": R3 + PACKED + BUDGET,
+PACKED_64 = PACKED + ("policy.sequence_packing.train_mb_tokens=64",)
+MOE_MODES = {"padded": R3, "packed": R3 + PACKED, "budget": R3 + BUDGET, "packed-64": R3 + PACKED_64,
              "padded/R2": R2, "packed/R2": R2 + PACKED}
 """Each mode against the padded one with the same replay (R3: the generator's routes moved, so that the
 replay acts; R2: the no-grad forward's own routes, recorded and replayed through the plan)."""
@@ -111,7 +114,7 @@ def test_block_causal_mask_and_thd_boundaries():
     plan = build_plan(packed.input_ids, packed.labels, packed.mask, PlanSpec(packing=True, multiple=16, thd=True))
     needed = [n - 1 for n in LENGTHS]  # tokens up to the last completion label
     for mb in plan:
-        assert mb.attention_mask is None and mb.packed_seq_params.qkv_format == "thd"
+        assert mb.mask_segments is None and mb.packed_seq_params.qkv_format == "thd"
         lens = [needed[i] for i in mb.seqs.tolist()]
         width = mb.input_ids.shape[1]
         assert width % 16 == 0 and width >= sum(lens)
@@ -126,6 +129,27 @@ def test_block_causal_mask_and_thd_boundaries():
     assert len(plan) < len(LENGTHS)  # rows hold several sequences
 
 
+def test_packing_attention_scores_and_the_log_line(caplog):
+    """The issue's example, 8 sequences of 1k tokens packed into one 8k row on the local spec: 67M attention
+    scores (per head and layer) against 8.4M padded; ``log_packing_cost`` says so, and not when packing is
+    cheaper (short rows of a long-tailed batch)."""
+    from megatron_grpo.models.forward import pack
+    from megatron_grpo.models.packing import PlanSpec, attention_scores, build_plan, log_packing_cost
+
+    assert attention_scores([(2, 10), (1, 5)]) == 2 * 100 + 25
+    batch = pack([[5] * 1025] * 8, [1] * 8, 0)
+    plan = build_plan(batch.input_ids, batch.labels, batch.mask, PlanSpec(packing=True, max_tokens=8192))
+    assert [tuple(mb.input_ids.shape) for mb in plan] == [(1, 8192)] and batch.input_ids.shape == (8, 1032)
+    with caplog.at_level("WARNING", logger="megatron_grpo.models.packing"):
+        assert log_packing_cost(plan, tuple(batch.input_ids.shape))
+        short = _packed()
+        rows = build_plan(short.input_ids, short.labels, short.mask, PlanSpec(packing=True))
+        assert not log_packing_cost(rows, tuple(short.input_ids.shape))  # rows of <= 40 tokens: cheaper
+    (record,) = caplog.records
+    assert "computes 67.1M attention scores per head and layer for these 8 sequences, 7.9x the 8.52M" in record.message
+    assert "(8.39M per sequence)" in record.message
+
+
 def test_token_budget_groups_and_equal_counts():
     from megatron_grpo.models.packing import group_by_tokens, split_to_count
     from megatron_grpo.trainer.step import balanced_ranks
@@ -137,6 +161,23 @@ def test_token_budget_groups_and_equal_counts():
     assert [len(r) for r in ranks] == [4, 4]
     loads = [sum([40, 12, 10, 9, 20, 11, 30, 14][i] for i in r) for r in ranks]
     assert abs(loads[0] - loads[1]) <= 10
+
+
+def test_packed_rows_are_balanced_across_dp_ranks_by_tokens():
+    """Packing alone balances DP ranks by tokens as token budgets do (before: contiguous rows, here 600 vs
+    64 tokens, so one rank's rows waited for the other's at the gradient all-reduce); padded rows stay
+    contiguous."""
+    from megatron_grpo.models.packing import PlanSpec
+    from megatron_grpo.trainer.step import step_rows
+
+    lengths = [300, 200, 60, 40, 30, 20, 8, 6]
+    assert PlanSpec(packing=True).balances_tokens and PlanSpec(max_tokens=64).balances_tokens
+    assert not PlanSpec().balances_tokens
+    balance = PlanSpec(packing=True, max_tokens=512).balances_tokens
+    rows = [step_rows(lengths, r, 2, balance) for r in range(2)]
+    assert [r.tolist() for r in rows] == [[0, 4, 6, 7], [1, 2, 3, 5]]
+    assert [sum(lengths[i] for i in r) for r in rows] == [344, 320]
+    assert step_rows(lengths, 1, 2, PlanSpec().balances_tokens) == slice(4, 8)
 
 
 def test_config_errors_name_the_full_key():
@@ -156,9 +197,9 @@ def test_config_errors_name_the_full_key():
 # ---- one process ------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("mode", ["packed", "budget", "packed+budget"])
+@pytest.mark.parametrize("mode", ["packed", "budget", "packed-64"])
 def test_packed_and_token_budget_equal_padded(mode, tiny_dense, megatron_single):
-    overrides = {"packed": PACKED, "budget": BUDGET, "packed+budget": PACKED + BUDGET}[mode]
+    overrides = {"packed": PACKED, "budget": BUDGET, "packed-64": PACKED_64}[mode]
     torch.manual_seed(0)
     ref = _step(_stepper(tiny_dense, CLIP0))
     torch.manual_seed(0)
@@ -200,6 +241,31 @@ def test_moe_aux_loss_with_packing_names_the_keys():
             from_dict(Config, {"policy": {batching: {"enabled": True}, "megatron_cfg": {"moe_aux_loss_coeff": 0.01}}})
 
 
+def test_packed_masks_are_built_per_forward_and_logged_once(tiny_dense, megatron_single, monkeypatch, caplog):
+    """A packed local-spec plan holds no ``[1, 1, L, L]`` mask: each row's is built when its forward runs and
+    is gone before the next one's (no-grad passes and the training schedule), so a step holds one mask,
+    not one per micro-batch. Rows of 120 tokens compute more scores than padding: one log line per step."""
+    from megatron_grpo.models import packing
+
+    built, alive = [], []
+    make = packing.block_causal_mask
+
+    def spy(seqlens, device=None):
+        built.append(sum(m() is not None for m in alive))  # masks of earlier forwards still alive
+        mask = make(seqlens, device)
+        alive.append(weakref.ref(mask))
+        return mask
+
+    monkeypatch.setattr(packing, "block_causal_mask", spy)
+    st = _stepper(tiny_dense, CLIP0, *PACKED, "policy.sequence_packing.train_mb_tokens=120")
+    with caplog.at_level("WARNING", logger="megatron_grpo.models.packing"):
+        plan = st.make_plan(_packed())
+        assert built == [] and len(plan) >= 2 and all(mb.mask_segments for mb in plan)
+        _step(st)  # the no-grad pass and the forward-backward
+    assert len(built) == 2 * len(plan) and built == [0] * len(built)
+    assert len([r for r in caplog.records if "attention scores" in r.message]) == 1
+
+
 def test_no_token_attends_across_sequences(tiny_dense, megatron_single):
     """Changing the second sequence of a packed row leaves the first one's log-probs bitwise equal."""
     seqs = _sequences()
@@ -215,6 +281,39 @@ def test_no_token_attends_across_sequences(tiny_dense, megatron_single):
     after = st.lowp_log_probs(_packed(changed))
     assert torch.equal(before[first], after[first])
     assert not torch.equal(before[second], after[second])
+
+
+LONG = (256,) * 16 + (40,)
+"""One packed row of 4,120 tokens: sequences at offsets 0, 255, ..., 3,825 and the short one at 4,080."""
+
+
+@pytest.fixture(scope="module")
+def long_rope_model(tmp_path_factory):
+    """1 layer, hidden 64, head_dim 32, rope theta 1e6 (Qwen3's), weights 5x the usual init so that attention
+    is sharp enough for a RoPE angle error to reach the log-probs."""
+    from megatron_grpo.models.tiny import make_tiny_model
+
+    return make_tiny_model(str(tmp_path_factory.mktemp("models") / "tiny-long-rope"), "qwen3", overrides=dict(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+        head_dim=32, rope_theta=1.0e6, max_position_embeddings=65536, initializer_range=0.1))
+
+
+def test_rope_restarts_per_sequence_in_thousands_long_packed_rows(long_rope_model, megatron_single):
+    """Local spec: each packed sequence is rotated by its own positions (0, 1, ...), not by its offset in the
+    row: packed == padded within 1e-5 at every completion token of a 4k-token row. Before, Megatron's RoPE
+    rotated by the row position, and the fp32 rounding of the angles (o + i) * inv_freq grew with the
+    offset o: 7.9e-5 at offsets near 4k (the issue measured 1.4e-3 at 8k with head_dim 128)."""
+    seqs = _sequences(LONG)
+    padded = _packed(seqs)
+    st = _stepper(long_rope_model, *PACKED, f"policy.sequence_packing.train_mb_tokens={sum(LONG)}")
+    (row,) = st.make_plan(padded, equalise=False)
+    assert row.input_ids.shape[1] >= 4000 and row.mask_segments is not None
+    offsets = row.gather[:, 0]  # where each sequence starts in the row
+    assert offsets.max().item() > 4000 and row.position_ids[0, offsets].eq(0).all()
+    got = st.lowp_log_probs(padded, torch.float32, temperature=1.0)
+    ref = _stepper(long_rope_model).lowp_log_probs(padded, torch.float32, temperature=1.0)
+    err = ((got - ref).abs() * padded.mask).amax(dim=1)
+    assert err.max().item() <= 1e-5, err.tolist()
 
 
 # ---- several ranks ----------------------------------------------------------------------------------------
@@ -234,28 +333,31 @@ def _rank(model_dir, layout, modes, routes):
         torch.manual_seed(0)
         st = _stepper(model_dir, CLIP0, *extra)
         st.tp_group, st.dp_group = ps.get_tensor_model_parallel_group(), ps.get_data_parallel_group()
+        if dp > 1 and name != "padded":  # the step's own DP rows (packing alone too): balanced by tokens
+            own = st.score_layout([len(s) for s in _sequences()], _packed())[0]
+            assert torch.arange(len(LENGTHS))[own].tolist() == rows.tolist(), name
         out[name] = dict(_step(st, rows, routes), rows=rows)
     return out
 
 
 @pytest.mark.parametrize("model,layout,modes", [
     ("tiny_dense", dict(world_size=2, tp=2), {"padded": (), "packed": PACKED}),
-    ("tiny_dense", dict(world_size=2), {"padded": (), "packed": PACKED + BUDGET}),
+    ("tiny_dense", dict(world_size=2), {"padded": (), "packed": PACKED, "packed-64": PACKED_64}),
     ("tiny_dense", dict(world_size=2, pp=2), {"padded": (), "packed": PACKED}),
     ("tiny_moe", dict(world_size=2, ep=2), MOE_MODES),
     ("tiny_moe", dict(world_size=2, tp=2), MOE_MODES),
 ], ids=["tp2", "dp2", "pp2", "moe-ep2", "moe-tp2"])
 def test_multi_rank_packed_equals_single_process(model, layout, modes, request, megatron_single):
-    """TP=2 (sequence parallelism: rows a multiple of 16), DP=2 (token-balanced ranks, equal
-    micro-batch counts), PP=2 (rows of one length), MoE at EP=2 (every rank's micro-batch k of one
-    shape) and TP=2 with SP (routes gathered / replayed per sequence shard): each rank's padded
+    """TP=2 (sequence parallelism: rows a multiple of 16), DP=2 (packed alone and with a token budget:
+    token-balanced ranks, equal micro-batch counts), PP=2 (rows of one length), MoE at EP=2 (every rank's
+    micro-batch k of one shape) and TP=2 with SP (routes gathered / replayed per sequence shard): each rank's padded
     step against the single-process padded step, every other mode against the padded one."""
     model_dir = request.getfixturevalue(model)
     routes = _moved_routes(model_dir) if model == "tiny_moe" else None
     torch.manual_seed(0)
     ref = _step(_stepper(model_dir, CLIP0, *modes["padded"]), routes=routes)
     for got in run_distributed(_rank, 2, model_dir, layout, modes, routes):
-        for name in ("padded", "packed"):
+        for name in ("padded", "packed") if model == "tiny_moe" else modes:
             rows = got[name]["rows"]
             assert (got[name]["train_lp"] - ref["train_lp"][rows]).abs()[got[name]["mask"]].max().item() <= 1e-5
             for metric in ref["metrics"]:
@@ -264,5 +366,5 @@ def test_multi_rank_packed_equals_single_process(model, layout, modes, request, 
                         (name, metric)
         if model == "tiny_moe":
             _assert_moe_modes(got)
-        else:
-            _assert_same(got["packed"], got["padded"])
+        for name in () if model == "tiny_moe" else set(modes) - {"padded"}:
+            _assert_same(got[name], got["padded"])

@@ -11,8 +11,9 @@ import torch
 
 from megatron_grpo.config.schema import Config, from_dict
 from megatron_grpo.models.qwen3 import ModelShape, load_hf_config, shape_from_hf
-from megatron_grpo.trainer.plan import (GIB, check_fits, count_params, format_plan, layer_activation_bytes, memory_plan,
-                                optimizer_bytes, optimizer_state)
+from megatron_grpo.trainer.plan import (GIB, check_fits, count_params, format_plan, memory_plan, optimizer_bytes,
+                                        optimizer_state)
+from megatron_grpo.trainer.plan_activations import layer_activation_bytes, layer_score_bytes
 from megatron_grpo.config.recipe import load_recipe
 from tests._dist import run_distributed
 
@@ -176,12 +177,15 @@ def test_activation_formula_by_hand():
                              "generation": {"max_model_len": 100}})
     s, b, h, a = 100, 2, 64, 8
     full, layer_input = layer_activation_bytes(cfg, SHAPE)  # MoE at TP = 2: sequence parallel, all 34 split
-    assert full == 2 * (s * b * h * 34 / 2 + 5 * a * s * s * b / 2)  # fp32 = twice the 16-bit bytes
+    assert full == 2 * (s * b * h * 34 / 2)  # fp32 = twice the 16-bit bytes
+    assert layer_score_bytes(cfg, SHAPE) == 2 * 5 * a * s * s * b / 2
     assert layer_input == 2 * 2 * s * b * h / 2
     cfg.policy.megatron_cfg.sequence_parallel = False  # a dense model may run TP without SP: 10 replicated
     full, layer_input = layer_activation_bytes(cfg, dataclasses.replace(SHAPE, num_experts=0))
-    assert full == 2 * (s * b * h * (10 + 24 / 2) + 5 * a * s * s * b / 2)
+    assert full == 2 * (s * b * h * (10 + 24 / 2))
     assert layer_input == 2 * 2 * s * b * h
+    cfg.policy.megatron_cfg.transformer_impl = "te"  # flash / fused attention keeps no scores
+    assert layer_score_bytes(cfg, SHAPE) == 0
 
 
 def _cfg(**cluster):
@@ -194,8 +198,9 @@ def test_error_names_the_biggest_term_and_its_keys():
     cfg = _cfg(gpu_memory_gib=4.0)
     cfg.generation.backend, cfg.generation.server_url = "vllm_server", "http://elsewhere:8000"  # no generator here
     plan = memory_plan(cfg, shape, 1)
-    assert max(plan.counted, key=lambda t: t.bytes).name == "activations (no recompute)"  # local: s x s scores
-    with pytest.raises(ValueError, match=r"biggest term is activations \(no recompute\).*train_micro_batch_size"):
+    assert max(plan.counted, key=lambda t: t.bytes).name == "attention scores (local)"  # local: s x s scores
+    with pytest.raises(ValueError, match=r"biggest term is attention scores \(local\).*train_micro_batch_size.*"
+                                         r"transformer_impl"):
         check_fits(plan, cfg, shape)
     cfg.policy.megatron_cfg.transformer_impl, cfg.generation.max_model_len = "te", 64
     with pytest.raises(ValueError, match=r"biggest term is optimizer \(replicated\).*tensor_model_parallel_size"):
@@ -336,3 +341,99 @@ def test_nccl_transport_adds_vllms_packed_buffers_on_rank_0_only():
         assert "runtime headroom" in format_plan(stage)
     cfg.generation.weight_transfer = "gloo"
     assert "vLLM nccl packed buffers" not in {t.name for t in planning._stage_plan(cfg, SHAPE, 2, 0).terms}
+
+
+QWEN3_06B = os.path.join(ROOT, "recipes", "model_configs", "qwen3-0.6b")
+PACKED_8K = {"sequence_packing": {"enabled": True, "train_mb_tokens": 8192}}
+BUDGET_64K = {"dynamic_batching": {"enabled": True, "max_tokens_per_microbatch": 65536}}
+
+
+def _batching_cfg(batching=None, impl="local", budget=None):
+    """Qwen3-0.6B in bf16, 8 rows of max_model_len 1024 per padded micro-batch, no generator on this device."""
+    return from_dict(Config, {"policy": {"train_micro_batch_size": 8, **(batching or {}),
+                                         "precision": {"params_dtype": "bfloat16", "compute_dtype": "bfloat16"},
+                                         "megatron_cfg": {"transformer_impl": impl}},
+                              "generation": {"max_model_len": 1024, "backend": "vllm_server",
+                                             "server_url": "http://elsewhere:8000", "weight_transfer": "gloo"},
+                              "cluster": {"gpu_memory_gib": budget}})
+
+
+def test_token_budget_and_packed_rows_size_every_token_term_by_hand():
+    """Activations, the local spec's attention scores and the logits follow the micro-batch the step really
+    computes: 8 padded rows of 1024 (8192 tokens), a 64k token budget (64 rows of 1024 at most), a packed row of
+    8192 (8 x 1k packed into 8k: 64M scores per head vs 8M padded, said in the note), a packed row of the
+    longest sequence (train_mb_tokens 0) and a budget below one sequence (that sequence alone)."""
+    shape = shape_from_hf(load_hf_config(QWEN3_06B))
+    h, a, layers, v = 1024, 16, 28, 151936  # bf16: Korthikanti's 16-bit bytes as they are
+    cases = {"padded": ({}, 8192, 8 * 1024 ** 2), "budget": (BUDGET_64K, 65536, 64 * 1024 ** 2),
+             "packed": (PACKED_8K, 8192, 8192 ** 2),
+             "packed-longest": ({"sequence_packing": {"enabled": True}}, 1024, 1024 ** 2),
+             "small-budget": ({"dynamic_batching": {"enabled": True, "max_tokens_per_microbatch": 512}}, 1024,
+                              1024 ** 2)}
+    for name, (batching, tokens, scores) in cases.items():
+        plan = memory_plan(_batching_cfg(batching), shape, 1)
+        assert plan.term("activations (no recompute)").bytes == tokens * h * 34 * layers, name
+        assert plan.term("attention scores (local)").bytes == 5 * a * scores * layers, name
+        assert plan.term("logits + grad").bytes == 2 * tokens * v * 2, name
+    note = memory_plan(_batching_cfg(PACKED_8K), shape, 1).term("attention scores (local)").note
+    assert "67.11M scores per head vs 8.389M" in note and "packing costs 8x padding" in note
+    assert "no more than padding" in memory_plan(_batching_cfg(cases["packed-longest"][0]), shape, 1).term(
+        "attention scores (local)").note
+    assert "attention scores (local)" not in {t.name for t in memory_plan(_batching_cfg(PACKED_8K, "te"), shape, 1).terms}
+
+
+def test_packed_rows_round_like_the_step_and_moe_dispatch_follows_the_tokens():
+    from megatron_grpo.trainer.plan_activations import micro_batch
+
+    cfg = from_dict(Config, {"policy": {"sequence_packing": {"enabled": True, "train_mb_tokens": 8200},
+                                        "megatron_cfg": {"tensor_model_parallel_size": 2}},
+                             "generation": {"max_model_len": 100}})
+    assert micro_batch(cfg, SHAPE).num_tokens == 8208  # rows a multiple of 8 x TP under sequence parallelism
+    padded = from_dict(Config, {"policy": {"train_micro_batch_size": 2}, "generation": {"max_model_len": 100}})
+    budget = from_dict(Config, {"policy": {"dynamic_batching": {"enabled": True, "max_tokens_per_microbatch": 1600}},
+                                "generation": {"max_model_len": 100}})
+    dispatch = [memory_plan(c, SHAPE, 1).term("MoE dispatch activations").bytes for c in (padded, budget)]
+    assert dispatch[1] == pytest.approx(8 * dispatch[0])  # 1600 tokens vs 2 x 100: linear in the tokens
+
+
+def test_a_token_budget_or_packed_row_that_runs_out_of_memory_fails_check_fits():
+    """Padded, the recipe fits; the same recipe with a 64k token budget (TE) or with 8k packed rows (local spec:
+    the row's 8k^2 scores) does not, and the error names the term and the key. The old plan sized every
+    micro-batch as train_micro_batch_size x max_model_len and let both through."""
+    shape = shape_from_hf(load_hf_config(QWEN3_06B))
+    for impl, budget in (("te", 40.0), ("local", 60.0)):
+        cfg = _batching_cfg(impl=impl, budget=budget)
+        check_fits(memory_plan(cfg, shape, 1), cfg, shape)
+    cfg = _batching_cfg(BUDGET_64K, "te", 40.0)
+    with pytest.raises(ValueError, match=r"biggest term is activations \(no recompute\).*max_tokens_per_microbatch"):
+        check_fits(memory_plan(cfg, shape, 1), cfg, shape)
+    cfg = _batching_cfg(PACKED_8K, "local", 60.0)
+    with pytest.raises(ValueError, match=r"biggest term is attention scores \(local\).*train_mb_tokens.*transformer_impl"):
+        check_fits(memory_plan(cfg, shape, 1), cfg, shape)
+    cfg = _batching_cfg(PACKED_8K, "te", 40.0)  # the same tokens as 8 padded rows: no scores kept
+    check_fits(memory_plan(cfg, shape, 1), cfg, shape)
+
+
+def test_delta_push_copy_is_counted_on_rank_0_by_hand():
+    """``generation.delta_push`` keeps rank 0's shards as last sent in the generation dtype (+ whole copies of the
+    gathered tensors of at most 1M elements, + the uint8 masks of the largest tensor being gathered); none at PP > 1
+    (full pushes) or without it. Measured against a real TP = 2 x EP = 2 push in tests/test_delta.py."""
+    from megatron_grpo.trainer.plan import gathered_checksummed_elements, largest_hf_tensor
+
+    shape = shape_from_hf(load_hf_config(QWEN3_06B))
+
+    def plan(**flat):
+        return memory_plan(_cfg_of(**{"policy.precision.generation_dtype": "bfloat16", "generation.delta_push": True,
+                                      **flat}), shape, 2)
+
+    largest = 151936 * 1024  # the (tied) embedding
+    assert plan().term("delta push copy").bytes == 2 * count_params(shape).num_local + 2 * largest
+    tp2 = {"policy.megatron_cfg.tensor_model_parallel_size": 2}
+    kv = 8 * 128 * 1024  # k_proj / v_proj: 1M elements each, the only TP-split tensors of 0.6B at most 1M
+    assert gathered_checksummed_elements(shape, tp=2) == 28 * 2 * kv
+    assert plan(**tp2).term("delta push copy").bytes == 2 * (count_params(shape, tp=2).num_local + 28 * 2 * kv) \
+        + 2 * largest
+    assert largest_hf_tensor(shape) == largest
+    names = {t.name for t in plan(**{"policy.megatron_cfg.pipeline_model_parallel_size": 2}).terms}
+    assert "delta push copy" not in names
+    assert "delta push copy" not in {t.name for t in plan(**{"generation.delta_push": False}).terms}

@@ -11,60 +11,14 @@ import os
 import pytest
 import torch
 
-from megatron_grpo.rollout import Rollout, Rollouts, Sampling
+from megatron_grpo.rollout import Sampling
 from megatron_grpo.rollout.pool import EnginePool, cpu_bindings, engine_placement, format_placement, shard_bounds
+from megatron_grpo.rollout.types import GeneratorError
+
+from tests._fakes import FakeEngine
 
 
 # ---- fake engines: the pool's bookkeeping and the fan-out, without vLLM --------------------------------------
-
-
-class _FakeEngine:
-    """Generates ``seed`` as its only token; loads pushed files like the vLLM worker (read, then unlink)."""
-
-    def __init__(self, index, fail_on_file=None):
-        self.index, self.fail_on_file, self.policy_version, self.dtype = index, fail_on_file, 0, torch.float32
-        self.loaded, self.dead, self.slept = [], False, 0
-
-    def submit_generate(self, prompts, n, sampling):
-        return [(p, i, sampling.seed + p * n + i) for p in range(len(prompts)) for i in range(n)], list(prompts)
-
-    def collect(self, handle):
-        rows, prompts = handle
-        return Rollouts([Rollout(p, prompts[p], [seed], [0.0], "length", self.policy_version) for p, i, seed in rows])
-
-    def begin_weight_push(self):
-        self.files = 0
-
-    def push_file(self, path):
-        from safetensors.torch import load_file
-
-        self.files += 1
-        if self.files == self.fail_on_file:
-            self.dead = True
-            raise _generator_error(f"engine {self.index} died")
-        self.loaded += list(load_file(path))
-        os.unlink(path)
-
-    def end_weight_push(self, version):
-        self.policy_version = version
-
-    def alive(self):
-        return not self.dead
-
-    def sleep(self, level):
-        self.slept += 1
-
-    def wake_up(self):
-        self.slept -= 1
-
-    def close(self):
-        pass
-
-
-def _generator_error(message):
-    from megatron_grpo.rollout.types import GeneratorError
-
-    return GeneratorError(message)
 
 
 def _buckets(num_buckets, consumed):
@@ -82,8 +36,8 @@ def test_shards_seeds_and_placement_do_not_depend_on_the_engine_count():
     assert cpu_bindings(1, 1, [0, 1]) == [None]  # one engine: vLLM's own binding
     assert cpu_bindings(2, 1, [0, 1]) == ["0", "1"] and cpu_bindings(1, 2, range(4)) == ["0,1|2,3"]
     prompts, sampling = [[1], [2, 3], [4], [5], [6]], Sampling(seed=100)
-    one = EnginePool(lambda i: _FakeEngine(i), 1).generate(prompts, 3, sampling)
-    three = EnginePool(lambda i: _FakeEngine(i), 3).generate(prompts, 3, sampling)
+    one = EnginePool(lambda i: FakeEngine(i), 1).generate(prompts, 3, sampling)
+    three = EnginePool(lambda i: FakeEngine(i), 3).generate(prompts, 3, sampling)
     assert [(r.prompt_index, r.prompt_ids, r.completion_ids) for r in three] == \
            [(r.prompt_index, r.prompt_ids, r.completion_ids) for r in one]
     assert [r.completion_ids[0] for r in three] == [100 + p * 3 + i for p in range(5) for i in range(3)]
@@ -104,7 +58,7 @@ def test_shards_seeds_and_placement_do_not_depend_on_the_engine_count():
 
 def test_fan_out_writes_once_reads_everywhere_and_restarts_only_the_dead_engine():
     built = []
-    pool = EnginePool(lambda i: built.append(i) or _FakeEngine(i), 3)
+    pool = EnginePool(lambda i: built.append(i) or FakeEngine(i), 3)
     before = _bucket_files()
     consumed = []
     names = pool.update_weights(_buckets(5, consumed), version=1)
@@ -122,7 +76,7 @@ def test_fan_out_writes_once_reads_everywhere_and_restarts_only_the_dead_engine(
     pool.update_weights(_buckets(2, []), version=2)
     assert pool.engines[1].policy_version == 2 and len(pool.engines[0].loaded) == 20  # engine 0 was not pushed again
     refusing = pool.engines[2]
-    refusing.push_file = lambda path: (_ for _ in ()).throw(_generator_error("bad tensor name"))  # alive, refuses
+    refusing.push_file = lambda path: (_ for _ in ()).throw(GeneratorError("bad tensor name"))  # alive, refuses
     with pytest.raises(Exception, match="engine 2 of 3: bad tensor name"):
         pool.update_weights(_buckets(2, []), version=3)
     assert refusing.policy_version == -1 and pool.versions()[:2] == [3, 3]  # its reload closed, no version claimed
@@ -132,14 +86,14 @@ def test_fan_out_writes_once_reads_everywhere_and_restarts_only_the_dead_engine(
     assert pool.versions() == [3, 3, 3] and len(pool.engines[0].loaded) == 24
     pool.sleep(), pool.wake_up()
     assert all(e.slept == 0 for e in pool.engines)  # no-op unless sleep_between_steps (colocated on GPU)
-    sleepy = EnginePool(lambda i: _FakeEngine(i), 2, sleep_between_steps=True)
+    sleepy = EnginePool(lambda i: FakeEngine(i), 2, sleep_between_steps=True)
     sleepy.sleep()
     assert [e.slept for e in sleepy.engines] == [1, 1]
     sleepy.wake_up()
     assert [e.slept for e in sleepy.engines] == [0, 0]
 
 
-class _StreamingEngine(_FakeEngine):
+class _StreamingEngine(FakeEngine):
     """An engine on vLLM's weight-transfer API: it reads the bucket stream itself (gloo sends ABORT when the
     stream raises, END when it ends)."""
 
@@ -162,7 +116,7 @@ def _failing_gather(num_good):
     raise RuntimeError("gather on rank 3 failed")
 
 
-@pytest.mark.parametrize("engine_cls", [_FakeEngine, _StreamingEngine], ids=["files", "streams"])
+@pytest.mark.parametrize("engine_cls", [FakeEngine, _StreamingEngine], ids=["files", "streams"])
 def test_a_failed_gather_aborts_the_push_instead_of_committing_partial_weights(engine_cls):
     """The trainer's side fails after 2 of its buckets: every engine hears it (file seam: the reload is closed
     with the unknown version; stream: the stream raises, so gloo sends ABORT, not END), no engine claims the
@@ -181,6 +135,141 @@ def test_a_failed_gather_aborts_the_push_instead_of_committing_partial_weights(e
     assert pool.push_targets(1) == [0, 1]
     pool.update_weights(_buckets(1, []), version=1)
     assert pool.versions() == [1, 1]
+
+
+@pytest.fixture
+def arm_faults(monkeypatch):
+    """``arm(spec)``: sets ``MEGATRON_GRPO_FAULT_KILL_GENERATOR``, counting generator starts from then on
+    (``start:1`` = the next engine built) and forgetting the kills done before."""
+    import itertools
+
+    from megatron_grpo import faults
+
+    def arm(spec):
+        monkeypatch.setattr(faults, "_generator_starts", itertools.count(1))
+        monkeypatch.setattr(faults, "_generator_killed", set())
+        monkeypatch.setenv(faults.KILL_GENERATOR, spec)
+
+    return arm
+
+
+def test_an_engine_that_dies_while_restarting_stays_failed_and_is_restarted_alone(arm_faults):
+    """Both engines die; one of their restarts (started concurrently) dies while starting (the 4th start): the
+    error names it, the other's fresh engine is kept (not closed with it), and the next restart rebuilds the
+    failed one alone; the push then goes to both (neither holds the weights)."""
+    built = []
+    arm_faults("start:4")
+    pool = EnginePool(lambda i: built.append(i) or FakeEngine(i), 2)
+    first = list(pool.engines)
+    for engine in first:
+        engine.kill_process()
+    with pytest.raises(GeneratorError, match=r"^engine \d of 2 failed to start: fake generator process died during "
+                                             r"start \(exit code -9\)") as err:
+        pool.restart_failed()
+    failed = err.value.engine_index
+    assert str(err.value).startswith(f"engine {failed} of 2") and sorted(built) == [0, 0, 1, 1]
+    kept = pool.engines[1 - failed]
+    assert pool.engines[failed] is None and kept not in first and kept.alive()
+    assert pool.restart_failed() == [failed] and pool.engines[1 - failed] is kept and pool.engines[failed].alive()
+    assert sorted(built) == sorted([0, 0, 1, 1, failed]) and pool.push_targets(0) == [0, 1]
+    pool.update_weights(_buckets(1, []), version=0)
+    assert pool.versions() == [0, 0] and all(len(e.loaded) == 2 for e in pool.engines)
+
+
+def _loop_over_fake_engines(log_dir, num_steps, max_restarts, rank=0):
+    """The real ``GRPOTrainer.train`` loop, rollouts (``next_rollouts``) and push (``push_weights``, the
+    gather stubbed) around a 1-engine pool of fakes held by rank 0; the step records each rollout's prompt,
+    tokens and version, the pool each engine it builds."""
+    import collections
+    import time
+
+    from megatron_grpo.config.schema import Config, to_dict
+    from megatron_grpo.observe.doctor import LiveDoctor
+    from megatron_grpo.observe.metrics_logger import MetricsLogger
+    from megatron_grpo.rollout.staleness import StalenessGate
+    from megatron_grpo.rollout.transfer.weight_sync import PushReport
+    from megatron_grpo.trainer.loop import GRPOTrainer
+
+    class Sampler:
+        def __init__(self):
+            self.drawn = 0
+
+        def next(self, n):
+            self.drawn += n
+            return [[self.drawn - n + k] for k in range(n)]
+
+    class Trainer(GRPOTrainer):
+        def __init__(self):
+            self._started, self.step, self.version, self.consecutive_skips = time.perf_counter(), 0, 0, 0
+            self._stop_requested, self.delta, self.seen, self.built = False, None, [], []
+            self._pending, self._planned = collections.deque(), {}
+            self.cfg = Config()
+            self.cfg.grpo.max_num_steps, self.cfg.grpo.num_prompts_per_step = num_steps, 2
+            self.cfg.grpo.num_generations_per_prompt = 2
+            self.cfg.generation.max_restarts, self.cfg.generation.parity_probe_every = max_restarts, 0
+            self.cfg.logger.log_dir = str(log_dir)
+            self.gate = StalenessGate(0)
+            engine = EnginePool(lambda i: self.built.append(i) or FakeEngine(i), 1) if rank == 0 else None
+            self.ctx = type("Ctx", (), {"rank": rank, "device": torch.device("cpu"), "eos_id": 0,
+                                        "sampler": Sampler(), "engine": engine})()
+            self.logger = MetricsLogger(str(log_dir), enabled=rank == 0, tensorboard=False, progress_bar=False,
+                                        total_steps=num_steps)
+            self.doctor = LiveDoctor(to_dict(self.cfg))
+
+        def stop_requested(self):
+            return False
+
+        def _push_once(self):
+            if self.ctx.engine is None:  # rank 1: its share of the (stubbed) gather
+                return PushReport(version=self.version)
+            names = self.ctx.engine.update_weights(_buckets(1, []), self.version)
+            return PushReport(version=self.version, names=names)
+
+        def train_step(self):
+            rollouts = self.next_rollouts()
+            self.seen.append([(r.prompt_ids, r.completion_ids, r.policy_version) for r in rollouts])
+            self.version += 1
+            self.push_weights(probe=False)
+            return {"reward/mean": 0.0}
+
+    return Trainer()
+
+
+def _rank_of_the_faulty_run(log_dir):
+    from megatron_grpo.parallel import state
+
+    state.init_distributed()
+    trainer = _loop_over_fake_engines(log_dir, 4, max_restarts=2, rank=int(os.environ["RANK"]))
+    return trainer.train(), trainer.seen, trainer.built
+
+
+def test_a_generator_killed_again_while_restarting_is_one_more_restart_and_the_run_finishes(
+        tmp_path, arm_faults, caplog):
+    """The fault drill's case, on fakes, 2 gloo ranks (rank 0 holds the engine): killed during step 3's
+    generation, then again while it restarts (the 2nd start): every rank agrees that the start failed, it
+    is one more failure of the step's budget (``generation.max_restarts`` = 2), the next restart works, and
+    every step trains on the rollouts of an uninterrupted run (same prompts and seeds; the restarted engine
+    got the current weights before regenerating). With ``max_restarts`` = 1 the same faults end the run,
+    naming the failed start."""
+    from tests._dist import run_distributed
+
+    straight = _loop_over_fake_engines(tmp_path / "straight", 4, max_restarts=2)
+    assert straight.train() == 0
+    base = straight.cfg.grpo.seed * 1_000_003 + 2 * 10_007  # step 3's sampling seed; completion i of prompt p: +p*n+i
+    assert [ids for _, ids, _ in straight.seen[2]] == [[base + k] for k in range(4)]
+    arm_faults("generate:3,start:2")
+    ranks = run_distributed(_rank_of_the_faulty_run, 2, str(tmp_path / "faults"), timeout=600)
+    assert [code for code, _, _ in ranks] == [0, 0] and [built for _, _, built in ranks] == [[0, 0, 0], []]
+    for _, seen, _ in ranks:
+        assert seen == straight.seen and [{v for _, _, v in step} for step in seen] == [{0}, {1}, {2}, {3}]
+    arm_faults("generate:3,start:2")
+    short = _loop_over_fake_engines(tmp_path / "budget", 4, max_restarts=1)
+    with pytest.raises(GeneratorError, match=r"generator failed 2 times during its restart at step 3; last error: "
+                                             r"engine 0 of 1 failed to start: fake generator process died"):
+        short.train()
+    assert len(short.seen) == 2 and short.built == [0, 0]
+    assert "generator failed during generation at step 3 (engine 0 of 1: fake generator process is not running" \
+        in caplog.text
 
 
 # ---- vLLM: one tiny training run, then a shared 2-engine pool -------------------------------------------------

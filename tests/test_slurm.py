@@ -1,7 +1,10 @@
-"""tools/slurm/grpo.sbatch: its #SBATCH directives, and the script itself run by bash on one node with a
-fake ``srun`` (runs its command line with SLURM_* set) and ``scontrol`` (names this host, records
-requeues): the real torchrun line trains the tiny job, a USR1 (the time-limit warning) checkpoints,
-exits 75 and requeues, the requeued start resumes; a SIGTERM (scancel) checkpoints without a requeue."""
+"""tools/slurm/grpo.sbatch: its #SBATCH directives (the only part Slurm reads as text), and the script
+itself run by bash with a fake ``srun`` (records its options, runs its command line with SLURM_* set),
+``scontrol`` (names the allocation's hosts, records requeues) and, where the run's behaviour is not the
+point, ``torchrun`` (records its command line and the environment the ranks get): the rendezvous on
+the first node, a requeued start resuming, bad input stopping before srun; the real torchrun line
+trains the tiny job, a USR1 (the time-limit warning) checkpoints, exits 75 and requeues, the requeued
+start resumes; a SIGTERM (scancel) checkpoints without a requeue."""
 
 import json
 import os
@@ -21,21 +24,25 @@ SBATCH = os.path.join(ROOT, "tools", "slurm", "grpo.sbatch")
 RECIPE = os.path.join(ROOT, "recipes", "grpo-tiny-eos-cpu.yaml")
 JOB_ID = "4242"
 FAKE_SRUN = """#!/bin/bash
-# srun on one node: drop srun's options, run the command line as task 0 of node 0
-while [ $# -gt 0 ] && [ "${1#-}" != "$1" ]; do shift; done
+# srun on one node: record srun's options, run the command line as task 0 of node 0
+options=()
+while [ $# -gt 0 ] && [ "${1#-}" != "$1" ]; do options+=("$1"); shift; done
+echo "${options[*]}" > "$FAKE_SLURM_LOG.srun"
 export SLURM_PROCID=0 SLURM_NODEID=0 SLURM_LOCALID=0 SLURM_STEP_ID=0 SLURM_NTASKS=1
 exec "$@"
 """
 FAKE_SCONTROL = """#!/bin/bash
 echo "scontrol $*" >> "$FAKE_SLURM_LOG"
 case "$1 $2" in
-    "show hostnames") echo localhost ;;
+    "show hostnames") printf '%s\n' ${FAKE_HOSTNAMES-localhost} ;;  # the allocation's hosts, one a line
     "requeue "*) ;;
     *) echo "fake scontrol: unexpected $*" >&2; exit 1 ;;
 esac
 """
 FAKE_TORCHRUN = """#!/bin/bash
 # a rank that stops at SIGTERM as ours does: exits FAKE_EXIT at once, or 75 when signalled
+env | grep -E '^(GLOO_SOCKET_IFNAME|NCCL_SOCKET_IFNAME|TORCH_ELASTIC_SHUTDOWN_TIMEOUT|TORCH_NCCL_ASYNC_\\w+)=' \\
+    | sort > "$FAKE_SLURM_LOG.env"  # what the ranks inherit
 [ -n "${FAKE_EXIT:-}" ] && { echo "$*" > "$FAKE_SLURM_LOG.torchrun"; exit "$FAKE_EXIT"; }
 trap 'exit 75' TERM
 echo "$*" > "$FAKE_SLURM_LOG.torchrun"  # after the trap: the test signals once this file exists
@@ -76,7 +83,9 @@ def _slurm(tmp_path, fakes, **extra):
     env.update(PATH=os.pathsep.join([str(bin_dir), os.path.dirname(sys.executable), env["PATH"]]),
                SLURM_JOB_ID=JOB_ID, SLURM_JOB_NODELIST="node1", SLURM_NNODES="1", GPUS_PER_NODE="1",
                RDZV_PORT=str(_free_port()), OMP_NUM_THREADS="1", FAKE_SLURM_LOG=str(tmp_path / "slurm.log"))
-    env.update(extra)
+    env.update({k: v for k, v in extra.items() if v is not None})
+    for k in [k for k, v in extra.items() if v is None]:  # None: unset
+        env.pop(k, None)
     return env
 
 
@@ -90,9 +99,48 @@ def test_directives_request_one_task_per_node_requeue_and_an_early_signal():
     assert d["--ntasks-per-node"] == "1" and "--requeue" in d and d["--open-mode"] == "append"
     target, _, lead = d["--signal"].partition("@")
     assert target == "B:USR1" and int(lead) > 110  # the batch shell gets it, > torchrun's shutdown timeout
-    text = open(SBATCH).read()
-    assert "scontrol show hostnames" in text and "scontrol requeue" in text
-    assert "--rdzv-backend c10d" in text and '--rdzv-id "$SLURM_JOB_ID"' in text
+
+
+def _sbatch(tmp_path, args, **env):
+    """One start of the script with fake srun, scontrol and torchrun (exits 0): (process, srun's options,
+    torchrun's arguments, the ranks' environment), None where that program was not run."""
+    for suffix in (".srun", ".torchrun", ".env"):
+        (tmp_path / f"slurm.log{suffix}").unlink(missing_ok=True)
+    fakes = {"srun": FAKE_SRUN, "scontrol": FAKE_SCONTROL, "torchrun": FAKE_TORCHRUN}
+    proc = subprocess.run(["bash", SBATCH, RECIPE] + args, env=_slurm(tmp_path, fakes, FAKE_EXIT="0", **env),
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    logged = [_calls(tmp_path, suffix) for suffix in (".srun", ".torchrun", ".env")]
+    return (proc, *(lines or None for lines in logged))
+
+
+def test_two_nodes_meet_on_the_first_and_a_requeued_start_resumes(tmp_path):
+    """A 2-node allocation: srun starts one torchrun per node with the submitting environment; torchrun
+    meets on the first host ``scontrol show hostnames`` names, with the node count, the node's GPUs
+    (SLURM_GPUS_ON_NODE), the job id and the join timeout; the interface variables and the shutdown
+    timeout reach the ranks. A requeued start (SLURM_RESTART_COUNT=1) adds ``checkpointing.resume=true``
+    where the recipe checkpoints, and warns where it does not; a bad recipe key and an empty host list stop
+    the script (exit 2) before srun."""
+    ckpt = f"checkpointing.checkpoint_dir={tmp_path / 'ckpt'}"
+    cluster = dict(FAKE_HOSTNAMES="nodeB nodeA", SLURM_JOB_NODELIST="node[A-B]", SLURM_NNODES="2", GPUS_PER_NODE=None,
+                   SLURM_GPUS_ON_NODE="4", SLURM_RESTART_COUNT="1", GLOO_SOCKET_IFNAME="ib0", SHUTDOWN_TIMEOUT="50",
+                   RDZV_TIMEOUT="60", RDZV_PORT="29555")
+    proc, srun, torchrun, ranks_env = _sbatch(tmp_path, ["grpo.max_num_steps=3", ckpt], **cluster)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert srun == ["--export=ALL --nodes=2 --ntasks-per-node=1 --kill-on-bad-exit=1"]
+    argv = shlex.split(torchrun[0])
+    assert argv == ["--nnodes", "2", "--nproc-per-node", "4", "--max-restarts", "0", "--rdzv-backend", "c10d",
+                    "--rdzv-endpoint", "nodeB:29555", "--rdzv-id", JOB_ID, "--rdzv-conf", "join_timeout=60", "-m",
+                    "megatron_grpo", "train", RECIPE, "grpo.max_num_steps=3", ckpt, "checkpointing.resume=true"]
+    assert ranks_env == ["GLOO_SOCKET_IFNAME=ib0", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT=50",
+                         "TORCH_NCCL_ASYNC_ERROR_HANDLING=1"]
+    assert "2 nodes x 4, rendezvous nodeB:29555, GLOO_SOCKET_IFNAME=ib0" in proc.stdout
+    proc, _, torchrun, _ = _sbatch(tmp_path, ["grpo.max_num_steps=3"], **cluster)  # nothing to resume from
+    assert proc.returncode == 0 and shlex.split(torchrun[0])[-1] == "grpo.max_num_steps=3"
+    assert "no checkpointing.checkpoint_dir: a preempted run cannot resume" in proc.stderr
+    proc, srun, torchrun, _ = _sbatch(tmp_path, ["grpo.no_such_key=1"], **cluster)
+    assert proc.returncode == 2 and "grpo.no_such_key" in proc.stderr and srun is torchrun is None
+    proc, srun, _, _ = _sbatch(tmp_path, [], **dict(cluster, FAKE_HOSTNAMES=""))
+    assert proc.returncode == 2 and "error: no host in SLURM_JOB_NODELIST=node[A-B]" in proc.stderr and srun is None
 
 
 def test_command_line_and_exit_75_requeues_but_a_cancel_does_not(tmp_path):

@@ -39,6 +39,67 @@ def test_micro_batches_equal_one_batch(clip, tiny_dense, megatron_single):
             torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-4)
 
 
+CENTER_CASES = {
+    "train": ("loss_fn.ratio=train", "policy.precision.generation_dtype=bfloat16"),
+    "shadow": ("loss_fn.ratio=shadow", "policy.precision.generation_dtype=bfloat16"),
+    "shadow-no-forward": ("loss_fn.ratio=shadow",),
+    "gap_scaled": ("loss_fn.ratio=gap_scaled", "loss_fn.gap_scale=3", "policy.precision.generation_dtype=bfloat16"),
+}
+"""Every ratio source the centre can come from: the trainer's, the bf16 shadow's (with a shadow forward) or,
+with shadow dtype = compute dtype (no shadow forward), the trainer's detached log-probs standing in for the
+shadow's, and gap_scaled's exp(alpha + k beta) with k = 3."""
+
+
+def _reference_center(case, train_lp, shadow, old, adv, mask, eps=0.2, k=3.0):
+    """mu_W from the loss's own log-probs by the formulas of MECHANISM.md, in float64: W = min(rA, clip(r)A)
+    with r = exp(lp - old) (train), exp(shadow - old) (shadow; the trainer's own without a shadow
+    forward), exp(alpha + k beta) (gap_scaled: alpha = shadow - old, beta = lp - shadow)."""
+    lp, old = train_lp.double(), old.double()
+    shadow = lp if shadow is None else shadow.double()
+    log_r = {"train": lp - old, "shadow": shadow - old, "shadow-no-forward": shadow - old,
+             "gap_scaled": shadow - old + k * (lp - shadow)}[case]
+    r, a = torch.exp(log_r), adv.double()[:, None].expand_as(lp)
+    w = torch.minimum(r * a, r.clamp(1 - eps, 1 + eps) * a)
+    return w[mask].mean()
+
+
+@pytest.mark.parametrize("case", list(CENTER_CASES))
+def test_detach_center_centres_on_the_loss_own_ratio(case, tiny_dense, megatron_single):
+    """The step's mu_W (one no-grad pre-pass before the schedule) equals the mean of W computed from the
+    ratio the loss itself used, for every ratio source and for 1 and 4 micro-batches. Before: gap_scaled
+    centred on exp(alpha) (k = 0), and ratio=shadow without a shadow forward on ratio 1 (mu_W = mean(A))."""
+    from megatron_grpo.models.forward import pack
+    from tests.test_routing import PROMPT, _sequences
+
+    packed = pack(_sequences(), [PROMPT] * ROWS, 0)
+    g = torch.Generator().manual_seed(2)
+    centers = []
+    for micro_batch_size in (ROWS, 2):
+        torch.manual_seed(0)
+        st = _stepper(tiny_dense, f"policy.train_micro_batch_size={micro_batch_size}", "loss_fn.clip=detach_center",
+                      *CENTER_CASES[case])
+        assert st.needs_shadow == (case != "shadow-no-forward")
+        if not centers:  # a lagged generator: its log-probs 0.3 (std) off the trainer's, so the ratio clips
+            old = st.lowp_log_probs(packed, torch.float32) + torch.randn(packed.labels.shape, generator=g) * 0.3
+        seen = {}
+        forward_backward = st.forward_backward
+
+        def spy(batch, shadow, ref, replay=None, center=None):
+            stats, train_lp = forward_backward(batch, shadow, ref, replay, center)
+            seen.update(shadow=shadow, center=center, train_lp=train_lp)
+            return stats, train_lp
+
+        st.forward_backward = spy
+        batch = _step_batch(old, torch.linspace(-1.0, 1.0, ROWS, dtype=torch.float64))
+        st.run(batch, step=1)
+        assert len(st._plan_of(batch.packed)) == ROWS // micro_batch_size
+        assert (seen["shadow"] is None) == (case == "shadow-no-forward")
+        ref = _reference_center(case, seen["train_lp"], seen["shadow"], old, batch.advantages, batch.packed.mask)
+        assert seen["center"].item() == pytest.approx(ref.item(), abs=1e-6)
+        centers.append(seen["center"].item())
+    assert centers[0] == pytest.approx(centers[1], abs=1e-6)
+
+
 def test_step_metrics_live_on_the_model_device():
     """Every tensor the step's metric path builds is made on the given device (``meta`` here, a
     second device type); ``to_host``'s stack names any stray tensor on another device."""

@@ -3,6 +3,7 @@ GPU check's CPU dry run."""
 
 import csv
 import json
+import math
 import os
 import subprocess
 import sys
@@ -346,6 +347,10 @@ def test_every_sweep_grid_run_is_a_valid_recipe(tmp_path):
     assert set(smol["B"]) - set(smol["A"]) == {"policy.precision.generation_dtype=bfloat16",
                                                "generation.parity_tolerance=0.1"}
     assert set(smol["G"]) - set(smol["B"]) == {"loss_fn.ratio=shadow"}
+    assert set(smol["F"]) - set(smol["B"]) == {"loss_fn.ratio=one"}
+    assert set(smol["noclip"]) - set(smol["B"]) == {"loss_fn.ratio_clip_min=10.0", "loss_fn.ratio_clip_max=10.0"}
+    cfg = load_recipe(os.path.join(ROOT, sweep.recipe_for("smollm2-ab", "A")), smol["A"])
+    assert cfg.logger.token_dump_steps == [2, 3]  # the write-up's step-3 dose is measured in every arm
 
 
 def test_smollm2_ab_page_reads_complete_runs_and_pairs_seeds(tmp_path):
@@ -358,6 +363,8 @@ def test_smollm2_ab_page_reads_complete_runs_and_pairs_seeds(tmp_path):
         with open(folder / "metrics.jsonl", "w") as f:
             for step, r in enumerate(rewards, 1):
                 row = {"step": step, "reward/mean": r, "time/step_s": 2.0, "clip/zero_grad_fraction": 0.01}
+                if beta is not None and step == 3:
+                    row.update({"clip/phantom_zero_grad_fraction": 0.1, "clip/legit_zero_grad_fraction": 0.01})
                 if beta is not None and step % 5 == 0:
                     row.update({"precision/beta_abs_mean": beta, "clip/phantom_zero_grad_fraction": 0.02})
                 f.write(json.dumps(row) + "\n")
@@ -372,8 +379,14 @@ def test_smollm2_ab_page_reads_complete_runs_and_pairs_seeds(tmp_path):
     a0 = stats["A"][0]
     assert a0["final_reward"] == pytest.approx((-20 - 16 - 14 - 12 - 10) / 5) and a0["reward_1_2"] == -20
     assert stats["B"][0]["beta_abs_mean"] == pytest.approx(0.04) and stats["B"][0]["step_s"] == 2.0
+    assert stats["B"][0]["phantom_zero_grad_3"] == 0.1 and math.isnan(stats["A"][0]["phantom_zero_grad_3"])
     text = smollm2_ab.page(str(tmp_path / "ab"), steps, "cmd")
-    assert "| A | 2 |" in text and "| B | 2 |" in text
-    assert "A - B, final reward (last 5 steps), paired by seed: higher (difference" in text
-    assert "G - B" not in text  # no G runs: no G comparisons
+    assert "| A | 2 |" in text and "| B | 2 |" in text and "| write-up (Qwen3-0.6B) | 1 |" in text
+    # A - B per seed: 2.8 and 3.0 (final rewards -14.4 / -14.2 vs -17.2): both positive, interval above 0
+    assert "**H1: B (the fp32 trainer's ratio with the bf16 gap) ends below A (precision-matched)**: reproduced (" in text
+    assert "H2" not in text  # no G runs: no G verdict
     assert smollm2_ab.export(str(tmp_path / "ab"), str(tmp_path / "out")) == 5
+    assert smollm2_ab.verdict([4.0, 4.5, 5.0], a_gain=10).startswith("reproduced (difference 4.5 ± 1.2, 3 paired")
+    assert smollm2_ab.verdict([0.5, -0.5, 0.0], a_gain=10).startswith("not reproduced")  # inside [-2, 2]
+    assert smollm2_ab.verdict([1.0, 9.0, -3.0], a_gain=10).startswith("inconclusive (difference")
+    assert smollm2_ab.verdict([4.0, 4.5, 5.0], a_gain=2).startswith("inconclusive (A's gain 2 < 5)")

@@ -205,8 +205,9 @@ def test_truncated_safetensors_names_file(tiny_dense, tmp_path, megatron_single)
 
 def test_push_buckets_equal_the_export_and_copy_only_where_needed(tiny_dense, megatron_single):
     """The push's buckets (``hf_buckets``) hold exactly the exported HF tensors. At TP = 1 in the trainer's
-    dtype they are read from the live parameters (no copy: the push is synchronous); a cast, or a delta
-    push (whose state keeps every shard as last sent), gets tensors of its own."""
+    dtype they are read from the live parameters (no copy: the push is synchronous); a cast gets tensors of
+    its own; a delta push in the same dtype reads the live parameters too and its state keeps one copy of each
+    shard as last sent (later delta pushes update it in place)."""
     from megatron_grpo.models import build_from_hf
     from megatron_grpo.models.weights import export_hf_tensors
     from megatron_grpo.rollout.transfer.delta import DELTA_MARK, DeltaState
@@ -230,5 +231,13 @@ def test_push_buckets_equal_the_export_and_copy_only_where_needed(tiny_dense, me
     delta.start()
     kept = pushed(torch.float32, delta)
     assert all(torch.equal(kept[n], exported[n]) for n in exported)
-    assert not {n for n, t in kept.items() if t.untyped_storage().data_ptr() in live}
+    assert {n for n, t in kept.items() if t.untyped_storage().data_ptr() in live} == aliased
     assert not {n for n, t in delta.shards.items() if t.untyped_storage().data_ptr() in live}
+    assert len(delta.shards) == len(list(model.parameters())) and not delta.fulls  # one rank: nothing kept whole
+    storage = {n: t.untyped_storage().data_ptr() for n, t in delta.shards.items()}
+    delta.finish()
+    delta.start()  # a delta push: the kept shards are updated in place, no new copies
+    with torch.no_grad():
+        next(model.parameters()).view(-1)[0] += 1.0
+    pushed(torch.float32, delta)
+    assert {n: t.untyped_storage().data_ptr() for n, t in delta.shards.items()} == storage

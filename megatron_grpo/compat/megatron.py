@@ -8,6 +8,7 @@ imported inside each shim: importing this module costs nothing.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import re
@@ -122,6 +123,34 @@ def clear_module_caches() -> None:
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 
     RotaryEmbedding.forward.cache_clear()
+
+
+@contextlib.contextmanager
+def rotary_positions(gpt, position_ids: torch.Tensor):
+    """Makes ``gpt``'s RoPE rotate each token by its own position in ``position_ids`` ``[b, s]`` (restarting
+    per packed sequence) during the enclosed forward, as the padded forward rotates position p of each row.
+    0.16.1 and 0.19: ``GPTModel._preprocess`` calls ``self.rotary_pos_emb(rotary_seq_len, packed_seq=...,
+    cp_group=...)`` (``position_embedding_type="rope"``) and ignores ``position_ids``: it rotates by the row
+    position, so a sequence at offset o of a packed row got angles (o + i) * inv_freq, whose fp32 rounding
+    grows with o. Its ``RotaryEmbedding`` returns ``get_emb(n)`` ``[s, 1, 1, d]`` (row p = p * inv_freq in
+    fp32, the same whatever n; CP-sliced, but the local attention refuses CP > 1), which
+    ``_apply_rotary_pos_emb_bshd`` broadcasts over ``[s, b, heads, d]``; so the per-token ``[s, b, 1, d]``
+    made here from the same rows gives each sequence exactly the padded forward's rotation. Transformer
+    Engine's THD path restarts positions itself."""
+    rope = gpt.rotary_pos_emb
+    assert gpt.position_embedding_type == "rope", gpt.position_embedding_type
+    assert gpt.config.context_parallel_size == 1, "the local DotProductAttention refuses CP > 1 itself"
+
+    def per_token(max_seq_len: int, offset: int = 0, packed_seq: bool = False, cp_group=None):
+        assert offset == 0 and not packed_seq, (offset, packed_seq)
+        table = rope.get_emb(position_ids.shape[1])[:, 0, 0]  # positions restart: each < the row's length
+        return table[position_ids.t()].unsqueeze(2)
+
+    rope.forward = per_token  # an instance attribute shadows the class's (lru-cached) forward
+    try:
+        yield
+    finally:
+        del rope.forward
 
 
 def set_write_results_queue(make_queue: Callable[[], object]) -> None:

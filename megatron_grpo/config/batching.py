@@ -16,7 +16,9 @@ class SequencePackingConfig:
     positions restarting per sequence; a block-diagonal causal mask on the local spec, THD
     ``PackedSeqParams`` (``cu_seqlens``) with Transformer Engine. Losses and metrics equal the padded path's."""
     train_mb_tokens: int = 0
-    """Tokens per packed row (0 = the step's longest sequence; never below it)."""
+    """Tokens per packed row, i.e. per micro-batch (0 = the step's longest sequence; never below it).
+    NeMo-RL's key. Packing cannot be combined with ``policy.dynamic_batching`` (an error, as in NeMo-RL):
+    this key alone sets the row length."""
 
     def __post_init__(self):
         if self.train_mb_tokens < 0:
@@ -31,7 +33,8 @@ class DynamicBatchingConfig:
     """Group the sequences (longest first) so that rows x the micro-batch's width stay within
     ``max_tokens_per_microbatch``; data-parallel ranks get sequences balanced by tokens and the same
     number of micro-batches (the largest are split). Replaces ``policy.train_micro_batch_size``.
-    With ``sequence_packing`` the budget is the packed row's length."""
+    Not with ``policy.sequence_packing`` (an error, as in NeMo-RL: a packed row's length is
+    ``policy.sequence_packing.train_mb_tokens``) nor with pipeline parallelism (micro-batches differ in shape)."""
     max_tokens_per_microbatch: int = 4096
     """Token budget of one micro-batch (padding included); a longer sequence gets a micro-batch of its own."""
 

@@ -43,7 +43,8 @@ class GenerationConfig:
     retry_timeout_s: float = 60.0
     """``vllm_server`` only: how long a dead or restarting server is retried before the run stops."""
     max_restarts: int = 2
-    """A crashed generator is restarted (and the current weights re-pushed) at most this many times per step."""
+    """A crashed generator is restarted (and the current weights re-pushed) at most this many times per step
+    (in each of generation, push and probe); a restart whose engine dies while starting counts as one more."""
     max_new_tokens: int = 32
     """Completion length cap."""
     ignore_eos: bool = False

@@ -130,6 +130,12 @@ class PolicyConfig:
             raise ValueError(f"policy.train_micro_batch_size must be >= 1, got {self.train_micro_batch_size}")
         batching = [f"policy.{k}.enabled=true" for k, c in (("sequence_packing", self.sequence_packing),
                                                           ("dynamic_batching", self.dynamic_batching)) if c.enabled]
+        if len(batching) == 2:
+            raise ValueError("policy.sequence_packing.enabled=true cannot be combined with policy.dynamic_batching."
+                             "enabled=true (as in NeMo-RL): a packed row's token budget is policy.sequence_packing."
+                             f"train_mb_tokens (now {self.sequence_packing.train_mb_tokens}; 0 = the step's longest "
+                             "sequence), policy.dynamic_batching.max_tokens_per_microbatch budgets padded rows; "
+                             "enable one of them")
         if self.megatron_cfg.moe_aux_loss_coeff > 0 and batching:
             raise ValueError(f"policy.megatron_cfg.moe_aux_loss_coeff={self.megatron_cfg.moe_aux_loss_coeff} cannot be "
                              f"combined with {' and '.join(batching)}: the load-balancing loss is a product of sums "
@@ -330,8 +336,7 @@ class Config:
             logger.info("grpo.diagnostics_every=%d: the loss needs the shadow forward (loss_fn.ratio=%s, "
                         "moe_routing_replay=%s), so it and its metrics run every step; only the deployed-improvement "
                         "probe is sampled", self.grpo.diagnostics_every, self.loss_fn.ratio, m.moe_routing_replay)
-        if self.policy.dynamic_batching.enabled and m.pipeline_model_parallel_size > 1 \
-                and not self.policy.sequence_packing.enabled:
+        if self.policy.dynamic_batching.enabled and m.pipeline_model_parallel_size > 1:
             raise ValueError("policy.dynamic_batching.enabled=true needs policy.megatron_cfg.pipeline_model_parallel_size"
                              f"=1 (got {m.pipeline_model_parallel_size}): its micro-batches differ in shape; with "
                              "pipeline parallelism use policy.sequence_packing.enabled=true (rows of one length)")

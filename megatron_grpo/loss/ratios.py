@@ -70,6 +70,10 @@ def gap_scaled_ratio(log_probs: torch.Tensor, old_log_probs: torch.Tensor, shado
     return value * _grad_carrier(log_probs)
 
 
+shadow_ratio.value_reads_log_probs = False
+one_ratio.value_reads_log_probs = False
+"""The ratio's value ignores ``log_probs`` (given the shadow's): ``value_reads_log_probs``."""
+
 gap_scaled_ratio.takes_gap_scale = True
 """The loss passes ``loss_fn.gap_scale`` (per token with ``gap_scale_by_logprob``) as a fourth argument."""
 
@@ -85,6 +89,13 @@ def gap_scale_of(generator_log_probs: torch.Tensor, scale: float,
     for lp_max, value in reversed(list(by_logprob)):
         k = torch.where(generator_log_probs <= lp_max, torch.full_like(k, float(value)), k)
     return k
+
+
+def value_reads_log_probs(name: str) -> bool:
+    """Whether source ``name``'s ratio *value* depends on the trainer's log-probs when the shadow's are given
+    (``train``, ``gap_scaled``; not ``shadow``, ``one``). Undeclared sources count as reading them: the
+    ``detach_center`` pre-pass then runs, which is always exact."""
+    return getattr(get_ratio_source(name), "value_reads_log_probs", True)
 
 
 def get_ratio_source(name: str):

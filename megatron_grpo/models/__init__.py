@@ -6,6 +6,7 @@ from typing import Optional, Tuple
 
 import torch
 
+from megatron_grpo.compat.megatron import rotary_positions
 from megatron_grpo.models.qwen3 import (
     ModelShape,
     build_gpt_model,
@@ -56,7 +57,8 @@ def forward_logits(model, input_ids: torch.Tensor, position_ids: Optional[torch.
     S to be a multiple of TP: the ids are padded (repeating the last id; under the causal mask later
     positions cannot change earlier ones) and the logits cut back to S. Packed rows
     (``models/packing.py``) come with their ``position_ids`` and a block-diagonal ``attention_mask``
-    ``[B, 1, S, S]`` (True = masked) or THD ``packed_seq_params``, already a multiple of TP long.
+    ``[B, 1, S, S]`` (True = masked; RoPE then rotates each token by its ``position_ids``:
+    ``compat.megatron.rotary_positions``) or THD ``packed_seq_params``, already a multiple of TP long.
     ``padding_mask`` ``[B, S]`` (True = padding; MoE models only): the tokens the routers' z-loss and
     aux loss leave out."""
     gpt = unwrap(model)
@@ -67,7 +69,10 @@ def forward_logits(model, input_ids: torch.Tensor, position_ids: Optional[torch.
         kwargs["padding_mask"] = _stage_padding_mask(gpt, padding_mask, extra)
     if position_ids is not None:
         assert not extra, "packed rows are padded to a multiple of TP"
-        return model(input_ids, position_ids, attention_mask, **kwargs)
+        if packed_seq_params is not None:  # THD: Transformer Engine restarts the rotation per sequence
+            return model(input_ids, position_ids, attention_mask, **kwargs)
+        with rotary_positions(gpt, position_ids):  # local spec: Megatron's RoPE ignores position_ids
+            return model(input_ids, position_ids, attention_mask, **kwargs)
     if extra and gpt.config.pipeline_model_parallel_size > 1:
         raise ValueError(f"forward_logits: sequence length {seq_len} is not a multiple of "
                          f"policy.megatron_cfg.tensor_model_parallel_size={gpt.config.tensor_model_parallel_size} "

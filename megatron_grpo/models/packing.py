@@ -13,10 +13,12 @@ path's.
   a token budget, one row per micro-batch; positions restart at 0 per sequence and no token attends
   across sequences: on the local spec a block-diagonal causal ``attention_mask`` ``[r, 1, L, L]``
   (bool, True = masked: Megatron's ``attention_mask_func`` fills those scores with -10000, exactly 0
-  after the fp32 softmax); with Transformer Engine THD ``PackedSeqParams`` with ``cu_seqlens``. The
-  local spec's RoPE ignores ``position_ids`` (it rotates by the row position), but RoPE scores depend
-  only on the distance between two positions, so a sequence's offset in the row changes them by
-  rounding only (~1e-7 in fp32).
+  after the fp32 softmax), built when the row's forward runs (``MicroBatch.model_inputs``); with
+  Transformer Engine THD ``PackedSeqParams`` with ``cu_seqlens``. The local spec's RoPE ignores
+  ``position_ids`` (it rotates by the row position): ``forward_logits`` makes it rotate each token by its
+  ``position_ids`` (``compat.megatron.rotary_positions``), so a sequence gets the padded forward's rotation
+  exactly; rotated by its offset o in the row, the fp32 rounding of the angles (o + i) * inv_freq grew
+  with o (7.9e-5 in log-probs at o ~ 4k on a tiny model, 1e-2 at 64k).
 
 A sequence needs only its tokens up to its last completion label (``last`` + 1 tokens: the logits at
 position t score ``labels[t]``), so padding and the final token are never computed.
@@ -31,11 +33,14 @@ parallelism the allgather dispatcher needs every rank's micro-batch ``k`` to hav
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
+from typing import Iterable, List, Optional, Sequence, Tuple
 
 import torch
 from megatron.core.packed_seq_params import PackedSeqParams
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -56,8 +61,9 @@ class MicroBatch:
     """[n, S] bool: where ``gather`` points at a computed token"""
     position_ids: Optional[torch.Tensor] = None
     """[r, L] int64, restarting at 0 per sequence (packed only)"""
-    attention_mask: Optional[torch.Tensor] = None
-    """[r, 1, L, L] bool, True = masked (packed, local spec)"""
+    mask_segments: Optional[Tuple[int, ...]] = None
+    """Packed, local spec: the row's segment lengths; ``model_inputs`` builds the block-diagonal causal
+    mask ``[1, 1, L, L]`` from them when the micro-batch's forward runs (not held by the plan)"""
     packed_seq_params: Optional[object] = None
     """Megatron's ``PackedSeqParams`` (packed, Transformer Engine: THD)"""
     padding_mask: Optional[torch.Tensor] = None
@@ -87,8 +93,10 @@ class MicroBatch:
         return out.view(rows, width, *values.shape[2:])
 
     def model_inputs(self) -> dict:
-        """Keyword arguments for ``forward_logits`` besides the ids."""
-        return {"position_ids": self.position_ids, "attention_mask": self.attention_mask,
+        """Keyword arguments for ``forward_logits`` besides the ids; a packed local-spec row's attention mask
+        is built here, per forward, so that a step holds only the masks of the forwards in flight."""
+        mask = None if self.mask_segments is None else block_causal_mask(self.mask_segments, self.input_ids.device)
+        return {"position_ids": self.position_ids, "attention_mask": mask,
                 "packed_seq_params": self.packed_seq_params, "padding_mask": self.padding_mask}
 
 
@@ -107,6 +115,12 @@ class PlanSpec:
     """every row the same width (pipeline parallelism: its buffers have one shape)"""
     thd: bool = False
     """packed rows as Transformer Engine THD ``PackedSeqParams`` instead of a mask"""
+
+    @property
+    def balances_tokens(self) -> bool:
+        """Token-budget and packed plans: data-parallel ranks get sequences balanced by tokens (equal
+        counts; ``trainer.step.balanced_ranks``), so that no rank's rows wait at the gradient all-reduce."""
+        return self.packing or self.max_tokens is not None
 
 
 def needed_lengths(mask: torch.Tensor) -> List[int]:
@@ -263,18 +277,20 @@ def _packed(k, group, lengths, input_ids, labels, spec: PlanSpec, width: int) ->
     if spec.thd:
         mb.packed_seq_params = thd_params(seqlens, ids.device)
     else:
-        mb.attention_mask = block_causal_mask(seqlens, ids.device)
+        mb.mask_segments = tuple(seqlens)
     return mb
 
 
 def block_causal_mask(seqlens: Sequence[int], device=None) -> torch.Tensor:
-    """``[1, 1, L, L]`` bool, True = masked: token i sees token j only in its own segment and j <= i."""
-    segment = torch.repeat_interleave(torch.arange(len(seqlens), device=device),
-                                      torch.tensor(list(seqlens), device=device))
-    total = segment.numel()
-    causal = torch.ones((total, total), dtype=torch.bool, device=device).tril()
-    allowed = causal & (segment[:, None] == segment[None, :])
-    return (~allowed)[None, None]
+    """``[1, 1, L, L]`` bool, True = masked: token i sees token j only in its own segment and j <= i.
+    Built in place: L^2 bytes, no L^2 temporaries."""
+    total = sum(seqlens)
+    masked = torch.ones((total, total), dtype=torch.bool, device=device)
+    start = 0
+    for n in seqlens:
+        masked[start:start + n, start:start + n].triu_(1)  # within the segment only the future is masked
+        start += n
+    return masked[None, None]
 
 
 def cu_seqlens(seqlens: Sequence[int], device=None) -> torch.Tensor:
@@ -288,6 +304,29 @@ def thd_params(seqlens: Sequence[int], device=None):
     longest = max(seqlens)
     return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
                            max_seqlen_q=longest, max_seqlen_kv=longest)
+
+
+def attention_scores(shapes: Iterable[Tuple[int, int]]) -> int:
+    """Attention scores (per head and layer) that micro-batches of ``(rows, width)`` compute on the local spec:
+    each row attends over its whole width, ``rows * width ** 2`` (a packed row's block-diagonal mask removes
+    none of them; THD attention computes ``sum(n ** 2)`` over a row's sequences). Pure: the memory plan's s^2."""
+    return sum(rows * width * width for rows, width in shapes)
+
+
+def log_packing_cost(plan: Sequence[MicroBatch], padded_shape: Tuple[int, int]) -> bool:
+    """Logs a line when the packed rows of ``plan`` (local spec) compute more attention scores than the
+    padded micro-batches of the same ``[b, S]`` batch would (``b * S^2``); returns whether it did."""
+    packed = attention_scores(tuple(mb.input_ids.shape) for mb in plan if mb.mask_segments is not None)
+    padded = attention_scores([tuple(padded_shape)])
+    if packed <= padded:
+        return False
+    per_sequence = attention_scores((1, n) for mb in plan for n in (mb.mask_segments or ()))
+    logger.warning("policy.sequence_packing on the local spec computes %.3gM attention scores per head and layer "
+                   "for these %d sequences, %.1fx the %.3gM of padded micro-batches (%.3gM per sequence): each "
+                   "packed row attends over its whole length (Transformer Engine's THD attention does not); "
+                   "shorter rows (policy.sequence_packing.train_mb_tokens) cost less", packed / 1e6, padded_shape[0],
+                   packed / padded, padded / 1e6, per_sequence / 1e6)
+    return True
 
 
 def computed_tokens(plan: Sequence[MicroBatch]) -> int:

@@ -262,6 +262,25 @@ def paired_diffs(x: List[Dict], y: List[Dict], key: str = "final_reward") -> Lis
     return [s[key] - ys[s["seed"]] for s in x if s["seed"] in ys]
 
 
+def decide(diffs: Sequence[float], d: float, min_effect: Optional[float] = None) -> Tuple[str, float, float, int]:
+    """The studies' pre-registered rule on per-seed differences (a fix minus the failing arm): (word, mean,
+    half-width, n), with the 95% t-interval of the mean difference and an equivalence margin ``d``.
+
+    reproduced: the interval excludes 0 on the positive side and the mean is >= ``min_effect`` (default ``d``);
+    not reproduced: the interval lies inside [-d, d], or wholly below 0 (the opposite direction);
+    inconclusive: anything else (too wide, a real effect below ``min_effect`` reaching past d, < 2 seeds)."""
+    min_effect = d if min_effect is None else min_effect
+    mean, half, n = ci95(diffs)
+    if n < 2 or math.isnan(half):
+        return "inconclusive", mean, half, n
+    lo, hi = mean - half, mean + half
+    if lo > 0 and mean >= min_effect:
+        return "reproduced", mean, half, n
+    if (-d <= lo and hi <= d) or hi < 0:
+        return "not reproduced", mean, half, n
+    return "inconclusive", mean, half, n
+
+
 def compare(x: List[Dict], y: List[Dict], key: str = "final_reward") -> str:
     """``x`` vs ``y`` on ``key``, paired by seed (runs of one seed share prompts and their first rollouts):
     'higher' / 'lower' when the 95% t-interval of the mean per-seed difference excludes 0, else

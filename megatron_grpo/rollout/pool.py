@@ -12,7 +12,8 @@
   version yet (after a restart: only the restarted ones), or to all when all already are.
 - Faults: an engine that fails is named in the error (``engine i of N``) and remembered;
   ``restart_failed`` rebuilds only the dead or failed engines while the others keep their
-  weights, and the next push brings the new ones up to date.
+  weights, and the next push brings the new ones up to date. An engine that dies again while it
+  restarts is named (``failed to start``) and stays failed: the next ``restart_failed`` retries it.
 - Colocated engines (``generation.colocated``) sleep during the trainer step on GPU
   (``sleep``/``wake_up``, vLLM ``sleep(level=1)``); on CPU both are no-ops.
 
@@ -198,8 +199,10 @@ class EnginePool(RolloutEngine):
 
     # ---- building, restarting, closing --------------------------------------------------------------------
 
-    def _build(self, indices: Iterable[int]) -> None:
-        """Builds engines ``indices`` concurrently; on a failure closes those built and raises the first error."""
+    def _build(self, indices: Iterable[int], keep_started: bool = False) -> None:
+        """Builds engines ``indices`` concurrently. On a failure closes those built (``keep_started``: keeps
+        them; the ones that failed stay None and are remembered as failed) and raises the first error,
+        naming the engine (a ``GeneratorError`` carries its ``engine_index``)."""
         indices = list(indices)
         futures = {i: self._executor.submit(self.factory, i) for i in indices}
         errors = []
@@ -210,11 +213,14 @@ class EnginePool(RolloutEngine):
                 errors.append((i, exc))
         if errors:
             for i in indices:
-                if self.engines[i] is not None:
+                if self.engines[i] is not None and not keep_started:
                     self._close_one(i)
+            self._failed |= {i for i, _ in errors}
             i, exc = errors[0]
             if isinstance(exc, RuntimeError):
-                raise type(exc)(f"engine {i} of {len(self.engines)} failed to start: {exc}") from exc
+                err = type(exc)(f"engine {i} of {len(self.engines)} failed to start: {exc}")
+                err.engine_index = i
+                raise err from exc
             raise exc
 
     @property
@@ -224,15 +230,18 @@ class EnginePool(RolloutEngine):
 
     def restart_failed(self) -> List[int]:
         """Rebuilds the engines that died or failed (all of them if none is known to have); the
-        others keep their state. The restarted ones get the next weight push. Returns their indices."""
+        others keep their state. The restarted ones get the next weight push. Returns their indices.
+        An engine that fails to start again (dies while starting) raises a ``GeneratorError`` naming
+        it; it stays failed (the caller counts one more failure and calls this again), while the
+        engines that did start are kept."""
         indices = sorted(self._failed | {i for i, e in enumerate(self.engines) if not _alive(e)})
         indices = indices or list(range(len(self.engines)))
         logger.warning("restarting generator engine(s) %s of %d", ", ".join(map(str, indices)), len(self.engines))
         for i in indices:
             self._close_one(i)
-        self._build(indices)
-        self._failed -= set(indices)
         self._needs_push |= set(indices)
+        self._failed -= set(indices)
+        self._build(indices, keep_started=True)
         return indices
 
     def _close_one(self, i: int) -> None:

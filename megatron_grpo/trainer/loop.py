@@ -194,7 +194,7 @@ class GRPOTrainer:
         advantages = ADVANTAGE_ESTIMATORS.get(self.cfg.grpo.advantage_estimator)(
             rewards, self.cfg.grpo.num_generations_per_prompt)
         batch = build_step_batch(rollouts, advantages, self.ctx.dp_rank, self.ctx.dp_size, self.ctx.pad_id,
-                                 step=self.step + 1, balance_tokens=self.cfg.policy.dynamic_batching.enabled)
+                                 step=self.step + 1, balance_tokens=self.ctx.stepper.plan_spec.balances_tokens)
         t_train = time.perf_counter()
         stats, extra = self.ctx.stepper.run(batch, self.step + 1)
         t_train = time.perf_counter() - t_train
@@ -237,7 +237,8 @@ class GRPOTrainer:
         s - k (the generator works through them while the trainer trains); rollouts older than
         ``max_staleness`` versions are dropped, counted and regenerated.
         """
-        for attempt in range(self.cfg.generation.max_restarts + 1):
+        failures = 0
+        while True:
             result = None
             if self.ctx.engine is not None:
                 try:
@@ -254,19 +255,27 @@ class GRPOTrainer:
             status, value = comm.broadcast_object(result, src=0)
             if status == "ok":
                 return value
-            self._recover_generator(attempt, "generation", value)
+            failures = self._recover_generator(failures, "generation", value)
 
-    def restart_generator(self, push: bool = True) -> None:
+    def restart_generator(self, push: bool = True) -> Optional[str]:
         """Rebuilds the dead or failed engines of the pool on rank 0 (the others keep their state) and
-        (unless the caller pushes itself) pushes the current weights to them (collective)."""
+        (unless the caller pushes itself) pushes the current weights to them (collective). Returns
+        None, or the error of an engine that died again while starting (agreed by every rank; no push
+        then): the caller counts it as one more failure and restarts again."""
         self._pending.clear()
         if self.delta is not None:  # every rank: a restarted engine holds no base for patches
             self.delta.force_full = True
+        failure = None
         restart = getattr(self.ctx.engine, "restart_failed", None)  # the megatron backend has no process
         if restart is not None:
-            restart()
-        if push:
+            try:
+                restart()
+            except GeneratorError as exc:
+                failure = str(exc)
+        failure = comm.broadcast_object(failure, src=0)
+        if failure is None and push:
             self.push_weights(probe=False)
+        return failure
 
     def _collect_fresh(self):
         faults.maybe_kill_generator(self.step + 1, self.ctx.engine)
@@ -317,7 +326,8 @@ class GRPOTrainer:
         the push's gathers are collective), at most ``generation.max_restarts`` times."""
         started = time.perf_counter()
         wake_engines(self.ctx.engine, self.cfg.generation.colocated)
-        for attempt in range(self.cfg.generation.max_restarts + 1):
+        failures = 0
+        while True:
             faults.maybe_kill_generator(self.step + 1, self.ctx.engine, "push")
             failure = None
             try:
@@ -327,7 +337,7 @@ class GRPOTrainer:
             failure = comm.broadcast_object(failure, src=0)
             if failure is None:
                 break
-            self._recover_generator(attempt, "the weight push", failure, push=False)
+            failures = self._recover_generator(failures, "the weight push", failure, push=False)
         self._last_push_names = report.names
         out = {"sync/push_s": torch.tensor(report.seconds, device=self.ctx.device),
                "sync/push_bytes": torch.tensor(float(report.num_bytes), device=self.ctx.device),
@@ -350,14 +360,22 @@ class GRPOTrainer:
                             dtype=to_dtype(p.generation_dtype), bucket_mb=self.cfg.generation.weight_push_bucket_mb,
                             delta=self.delta, fp8=p.fp8.recipe() if p.generation_dtype == FP8 else None)
 
-    def _recover_generator(self, attempt: int, during: str, error: str, push: bool = True) -> None:
-        """After a generator crash (every rank agrees): restart it, or stop after too many tries."""
-        if attempt >= self.cfg.generation.max_restarts:
-            raise GeneratorError(f"generator failed {attempt + 1} times during {during} at step {self.step + 1}; "
-                                 f"last error: {error}")
-        logger.warning("generator failed during %s at step %d (%s); restarting it", during, self.step + 1,
-                       error.splitlines()[0])
-        self.restart_generator(push=push)
+    def _recover_generator(self, failures: int, during: str, error: str, push: bool = True) -> int:
+        """After a generator crash (every rank agrees; ``failures`` earlier ones in this phase of the
+        step): restart it, or stop once ``generation.max_restarts`` restarts did not help. A restart
+        whose engine dies while starting is one more failure of the same budget, restarted the same
+        way. Returns the failures counted so far."""
+        while True:
+            if failures >= self.cfg.generation.max_restarts:
+                raise GeneratorError(f"generator failed {failures + 1} times during {during} at step "
+                                     f"{self.step + 1}; last error: {error}")
+            logger.warning("generator failed during %s at step %d (%s); restarting it", during, self.step + 1,
+                           error.splitlines()[0] if error else "")
+            failures += 1
+            error = self.restart_generator(push=push)
+            if error is None:
+                return failures
+            during = "its restart"
 
     def check_parity(self, force: bool = False) -> Dict[str, torch.Tensor]:
         """Parity probe (generator vs trainer log-probs on the fixed probe set, temperature 1); the
@@ -366,11 +384,12 @@ class GRPOTrainer:
         g = self.cfg.generation
         if g.parity_probe_every == 0 or (not force and self.version % g.parity_probe_every):
             return {}
-        for attempt in range(g.max_restarts + 1):
+        failures = 0
+        while True:
             status, value = self._probe_once()
             if status != "generator":
                 break
-            self._recover_generator(attempt, "the parity probe", value)
+            failures = self._recover_generator(failures, "the parity probe", value)
         if status == "parity":
             raise ParityError(value)
         if self.parity_baseline is None:

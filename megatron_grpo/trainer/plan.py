@@ -5,13 +5,15 @@ with ``cluster.gpu_memory_gib`` set stops before building anything when it does 
 
 Exact (counted like the built model and Megatron-Core's allocation, tested on the tiny models):
 parameters, gradients (DDP's grad buffer) and optimizer state (Megatron's optimizer, replicated
-or distributed; both columns shown, ``total`` counts the recipe's). Estimates: activations
-(Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models",
-eq. 1-2: s*b*h*(34 + 5*a*s/h) bytes per layer in 16-bit, split over TP as sequence parallelism
-splits them), the logits and the log-prob chunk
-buffers (upper bounds: every sequence padded to ``generation.max_model_len``), and the generator
-(vLLM's reservation, or weights + KV cache). Stated allowances: vLLM's nccl packed buffers on rank 0 (their
-size is vLLM's default) and a runtime headroom for what no term counts (CUDA context, NCCL, fragmentation).
+or distributed; both columns shown, ``total`` counts the recipe's), and the delta push's kept copy of
+the shards last sent. Estimates (``plan_activations.py``, for the largest micro-batch of the recipe's
+layout: padded rows, a token budget or a packed row): activations (Korthikanti et al. 2022, "Reducing
+Activation Recomputation in Large Transformer Models", eq. 1-2: s*b*h*34 bytes per layer in 16-bit, split
+over TP as sequence parallelism splits them), the local spec's attention scores (5*a*s^2*b), the logits
+and the log-prob chunk buffers (upper bounds: every sequence as long as ``generation.max_model_len``), and
+the generator (vLLM's reservation, or weights + KV cache). Stated allowances: vLLM's nccl packed buffers on
+rank 0 (their size is vLLM's default) and a runtime headroom for what no term counts (CUDA context, NCCL,
+fragmentation).
 """
 
 from __future__ import annotations
@@ -23,40 +25,19 @@ from typing import Dict, List, Optional, Tuple
 from megatron_grpo.config.precision import FP8
 from megatron_grpo.config.schema import DTYPES, Config
 from megatron_grpo.models.fp8 import quantized_layer_ids
-from megatron_grpo.models.qwen3 import ModelShape, resolve_sequence_parallel
-from megatron_grpo.parallel.logprobs import DEFAULT_CHUNK_SIZE
-from megatron_grpo.rollout.transfer.transport import resolve_transport
+from megatron_grpo.models.qwen3 import ModelShape
+from megatron_grpo.rollout.transfer.transport import DIGEST_MAX_NUMEL, resolve_transport
+from megatron_grpo.trainer.plan_activations import Term, activation_terms, logit_terms, moe_terms
 
 GIB = 1024 ** 3
 MC = "policy.megatron_cfg."
 LAYOUT_KEYS = (MC + "tensor_model_parallel_size", MC + "pipeline_model_parallel_size")
 EXPERT_KEYS = (MC + "expert_model_parallel_size", MC + "expert_tensor_parallel_size")
-ACTIVATION_KEYS = ("policy.train_micro_batch_size", "generation.max_model_len", MC + "tensor_model_parallel_size",
-                   MC + "context_parallel_size")
 MAIN_PARAM_BYTES = 4
 """Megatron's fp32 main copy of a half-precision parameter (master weights)."""
 DDP_PARAM_ALIGN, DDP_BUCKET_ALIGN = 64, 128
 """Distributed optimizer only: DDP starts every parameter at a multiple of 64 elements in its buffers
 and ends every bucket at a multiple of lcm(DP x CP, 128) (``param_and_grad_buffer.py``)."""
-KORTHIKANTI_REPLICATED, KORTHIKANTI_SHARDED = 10, 24
-"""Activation bytes per token per hidden unit of one layer in 16-bit, 34 in all (attention 11, MLP 19,
-norms 4): without sequence parallelism 10 are replicated over TP and 24 split by it; with it all 34 are split."""
-KORTHIKANTI_MLP_REPLICATED, KORTHIKANTI_MLP_SHARDED = 3, 16
-"""The MLP's share of those 34: its input and dropout mask (3, replicated over TP), fc1's output and the
-activation (16, split by TP); a MoE layer replaces it by its dispatched tokens (``_moe_terms``)."""
-KORTHIKANTI_SCORES = 5
-"""Attention scores, softmax and its dropout mask: 5*a*s^2*b bytes per layer (not kept by flash attention)."""
-
-
-@dataclass
-class Term:
-    """One line of the plan."""
-
-    name: str
-    bytes: float
-    keys: Tuple[str, ...] = ()
-    """The config keys that shrink it."""
-    note: str = ""
 
 
 @dataclass
@@ -213,64 +194,6 @@ def _state_terms(cfg: Config, count: ParamCount, dp_cp: int, expert_dp: int) -> 
     ]
 
 
-def _num_micro_batches(cfg: Config, dp: int) -> int:
-    rows = cfg.grpo.num_prompts_per_step * cfg.grpo.num_generations_per_prompt
-    return max(1, -(-rows // (dp * cfg.policy.train_micro_batch_size)))
-
-
-def layer_activation_bytes(cfg: Config, shape: ModelShape) -> Tuple[float, float]:
-    """(all, layer input only) activation bytes of one layer for one micro-batch.
-
-    Korthikanti et al.: without sequence parallelism s*b*h*(10 + 24/t), with it (the default for
-    t > 1, ``policy.megatron_cfg.sequence_parallel``) s*b*h*34/t (the norms', residuals' and
-    dropout's 10 are split too, and so are the layer inputs kept for recompute), plus 5*a*s^2*b/t
-    bytes in 16-bit, scaled to the compute dtype; the score term is dropped with Transformer Engine
-    (flash / fused attention keeps no s x s scores). s = ``generation.max_model_len`` / CP (every
-    sequence padded to the longest possible).
-    """
-    m = cfg.policy.megatron_cfg
-    tp, scale = m.tensor_model_parallel_size, DTYPES[cfg.policy.precision.compute_dtype].itemsize / 2
-    sp = resolve_sequence_parallel(m.sequence_parallel, tp, shape)
-    s, b, h = (cfg.generation.max_model_len / m.context_parallel_size, cfg.policy.train_micro_batch_size,
-               shape.hidden_size)
-    per_layer = s * b * h * (KORTHIKANTI_REPLICATED / (tp if sp else 1) + KORTHIKANTI_SHARDED / tp)
-    if m.transformer_impl != "te":
-        per_layer += KORTHIKANTI_SCORES * shape.num_heads * s * s * b / tp
-    return per_layer * scale, 2 * s * b * h * scale / (tp if sp else 1)
-
-
-def _activation_terms(cfg: Config, shape: ModelShape, stage: int, dp: int) -> List[Term]:
-    """Activations of the micro-batches in flight (1F1B: stage k holds min(PP - k, micro-batches))."""
-    pp = cfg.policy.megatron_cfg.pipeline_model_parallel_size
-    num_in_flight = min(pp - stage, _num_micro_batches(cfg, dp))
-    per_layer, layer_input = layer_activation_bytes(cfg, shape)
-    num_layers_local = shape.num_layers // pp
-    where = f"{num_layers_local} layers x {num_in_flight} micro-batch(es) in flight"
-    return [
-        Term("activations (no recompute)", per_layer * num_layers_local * num_in_flight, ACTIVATION_KEYS,
-             f"estimate (Korthikanti et al.), {where}; the current code does not recompute"),
-        Term("activations (full recompute)", layer_input * num_layers_local * num_in_flight + per_layer,
-             ACTIVATION_KEYS, f"estimate: layer inputs, {where}, + one layer recomputed"),
-    ]
-
-
-def _logit_terms(cfg: Config, shape: ModelShape) -> List[Term]:
-    """Last stage: the logits ``[b*s, V/tp]`` and their gradient in the compute dtype, and the log-prob
-    kernel's chunk buffers (logprobs.py: one fp32 chunk copy in forward; in backward the fp32 softmax
-    chunk and its cast to the logits' dtype, no cast for fp32)."""
-    m, p = cfg.policy.megatron_cfg, cfg.policy.precision
-    vocab_local = shape.vocab_size / m.tensor_model_parallel_size
-    num_tokens = cfg.policy.train_micro_batch_size * cfg.generation.max_model_len / m.context_parallel_size
-    size = DTYPES[p.compute_dtype].itemsize
-    chunk = min(cfg.policy.logprob_chunk_size or DEFAULT_CHUNK_SIZE, num_tokens)
-    return [
-        Term("logits + grad", 2 * num_tokens * vocab_local * size, ACTIVATION_KEYS,
-             f"estimate: {num_tokens:.0f} tokens x V/tp={vocab_local:.0f} x {size} B, twice"),
-        Term("log-prob chunk buffers", chunk * vocab_local * (4 + (size if size < 4 else 0)),
-             ("policy.logprob_chunk_size",), f"{chunk:.0f} tokens x V/tp x (4 B fp32{' + cast' if size < 4 else ''})"),
-    ]
-
-
 def generator_colocated(cfg: Config) -> bool:
     """The engines share the trainer's devices (``generation.colocated``) unless servers run elsewhere;
     ``megatron`` has no engine of its own (the trainer's weights; its KV cache lives only while it generates)."""
@@ -320,12 +243,6 @@ def _generator_term(cfg: Config, shape: ModelShape, budget_gib) -> Term:
                 f"estimate: weights + KV cache of {num_seqs} sequences x max_model_len={g.max_model_len}")
 
 
-ROUTE_BYTES = 2
-"""Routing records are int16 ``[B, S, L, k]`` (``models/routing.py``)."""
-NUM_RECORDED_ROUTES = 3
-"""MoE: the shadow's routing and the training forward's used and natural routing, kept for the step's metrics."""
-
-
 def largest_hf_tensor(shape: ModelShape) -> int:
     """Elements of the largest full (unsharded) HF tensor: what a push gathers at once."""
     d = shape.head_dim
@@ -360,6 +277,37 @@ def _push_term(cfg: Config, shape: ModelShape) -> Term:
                 f"stage leaders: {PUSH_BUCKETS_IN_FLIGHT} buckets in flight, each up to {g.weight_push_bucket_mb:g} "
                 "MiB + one whole layer (buckets close between layers), + the largest tensor gathered (shards + "
                 "full), in the generation dtype; other ranks hold none")
+
+
+def gathered_checksummed_elements(shape: ModelShape, *, tp: int = 1, ep: int = 1, etp: int = 1,
+                                  digest_max_numel: int = DIGEST_MAX_NUMEL) -> int:
+    """Elements of the HF tensors a delta push's sender keeps whole (``DeltaState.fulls``): gathered from
+    several ranks (TP-split dense tensors at TP > 1, experts at EP x ETP > 1) and at most ``digest_max_numel``
+    (checksummed: completed from that copy where only the changed values travelled)."""
+    h, d = shape.hidden_size, shape.head_dim
+    dense, experts = [], []
+    if tp > 1:
+        dense = [shape.vocab_size * h] * (1 if shape.tie_word_embeddings else 2)
+        layer = [shape.num_heads * d * h, shape.num_kv_heads * d * h, shape.num_kv_heads * d * h, shape.num_heads * d * h]
+        layer += [] if shape.is_moe else [shape.ffn_hidden_size * h] * 3
+        dense += layer * shape.num_layers
+    if shape.is_moe and ep * etp > 1:
+        experts = [shape.moe_ffn_hidden_size * h] * (3 * shape.num_experts * shape.num_layers)
+    return sum(n for n in dense + experts if n <= digest_max_numel)
+
+
+def _delta_term(cfg: Config, shape: ModelShape, count: ParamCount) -> Term:
+    """``generation.delta_push`` on the stage-0 leader (pipeline parallelism pushes full weights, no copy): the
+    shards it sends as last sent, whole copies of the small gathered tensors, and the change masks of the
+    largest tensor being gathered (uint8, its shards and whole)."""
+    m, size = cfg.policy.megatron_cfg, generation_itemsize(cfg)
+    whole = gathered_checksummed_elements(shape, tp=m.tensor_model_parallel_size, ep=m.expert_model_parallel_size,
+                                          etp=m.expert_tensor_parallel_size)
+    return Term("delta push copy", size * (count.num_local + whole) + 2 * largest_hf_tensor(shape),
+                ("generation.delta_push",) + LAYOUT_KEYS + EXPERT_KEYS,
+                f"rank 0: its shards as last sent ({count.num_local / 1e9:.3f}B elements) + {whole / 1e6:.3g}M elements "
+                f"of gathered tensors <= {DIGEST_MAX_NUMEL} elements kept whole, in the generation dtype, + the uint8 "
+                "change masks of the largest tensor gathered; every other rank sending to it keeps its own shards")
 
 
 VLLM_PACKED_BUFFER_BYTES, VLLM_PACKED_NUM_BUFFERS = GIB, 2
@@ -403,50 +351,23 @@ def _reference_term(cfg: Config, count: ParamCount) -> Term:
                 + LAYOUT_KEYS + EXPERT_KEYS, f"a frozen copy of this rank's parameters in {dtype} (no grads, no state)")
 
 
-def _moe_terms(cfg: Config, shape: ModelShape, dp: int) -> List[Term]:
-    """MoE on top of the dense activation estimate: each micro-batch's tokens dispatched to top-k experts
-    (the expert input, fc1's gate+up output and the activation, in the compute dtype, expert-TP splitting
-    the FFN) and the router's fp32 logits and probabilities; and the routing records of the step."""
-    m, p = cfg.policy.megatron_cfg, cfg.policy.precision
-    pp = m.pipeline_model_parallel_size
-    tokens = cfg.policy.train_micro_batch_size * cfg.generation.max_model_len / m.context_parallel_size
-    size, layers = DTYPES[p.compute_dtype].itemsize, shape.num_layers // pp
-    f = shape.moe_ffn_hidden_size / m.expert_tensor_parallel_size
-    tp = m.tensor_model_parallel_size
-    sp = resolve_sequence_parallel(m.sequence_parallel, tp, shape)
-    routed = tokens / tp if sp else tokens  # with SP each TP rank routes its shard of the sequence
-    per_layer = routed * (shape.moe_topk * (shape.hidden_size + 3 * f) * size + 2 * shape.num_experts * 4)
-    dense_mlp = tokens * shape.hidden_size * (KORTHIKANTI_MLP_REPLICATED / (tp if sp else 1)
-                                              + KORTHIKANTI_MLP_SHARDED / tp) * size / 2
-    per_layer = max(0.0, per_layer - dense_mlp)  # the dense estimate's MLP, which a MoE layer does not have
-    rows = cfg.grpo.num_prompts_per_step * cfg.grpo.num_generations_per_prompt / dp
-    num_routes = NUM_RECORDED_ROUTES + (m.moe_routing_replay == "R3")
-    route = rows * cfg.generation.max_model_len * layers * shape.moe_topk * ROUTE_BYTES
-    return [
-        Term("MoE dispatch activations", per_layer * layers * min(pp, _num_micro_batches(cfg, dp)), ACTIVATION_KEYS
-             + (MC + "expert_tensor_parallel_size",), f"estimate: top-{shape.moe_topk} dispatched tokens x (h + 3 x "
-             "moe_ffn/etp) + fp32 router logits/probs, in place of the dense estimate's MLP"),
-        Term("routing records", num_routes * route, (MC + "moe_routing_replay", "generation.max_model_len"),
-             f"{num_routes} int16 [rows, s, layers, top-k] records (shadow, used, natural"
-             + (", R3's generator routes)" if m.moe_routing_replay == "R3" else ")")),
-    ]
-
-
 def _stage_plan(cfg: Config, shape: ModelShape, world_size: int, stage: int) -> MemoryPlan:
     m = cfg.policy.megatron_cfg
     tp, pp, ep, etp = (m.tensor_model_parallel_size, m.pipeline_model_parallel_size, m.expert_model_parallel_size,
                        m.expert_tensor_parallel_size)
     dp, expert_dp = world_size // (tp * pp * m.context_parallel_size), world_size // (ep * etp * pp)
     count = count_params(shape, tp=tp, pp=pp, ep=ep, etp=etp, stage=stage)
-    terms = _state_terms(cfg, count, dp * m.context_parallel_size, expert_dp) + _activation_terms(cfg, shape, stage, dp)
+    terms = _state_terms(cfg, count, dp * m.context_parallel_size, expert_dp) + activation_terms(cfg, shape, stage, dp)
     if stage == pp - 1:
-        terms += _logit_terms(cfg, shape)
+        terms += logit_terms(cfg, shape)
     if shape.is_moe:
-        terms += _moe_terms(cfg, shape, dp)
+        terms += moe_terms(cfg, shape, dp)
     if cfg.loss_fn.reference_policy_kl_penalty > 0:
         terms.append(_reference_term(cfg, count))
     if cfg.generation.backend != "megatron":  # the megatron engine uses the trainer's weights: nothing is pushed
         terms.append(_push_term(cfg, shape))
+    if cfg.generation.delta_push and pp == 1:
+        terms.append(_delta_term(cfg, shape, count))
     if stage == 0 and generator_colocated(cfg):
         terms.append(_generator_term(cfg, shape, cfg.cluster.gpu_memory_gib))
     if stage == 0 and _uses_nccl_transport(cfg, world_size):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import threading
 from typing import Callable, List, Optional, Sequence
 
 import torch
@@ -114,8 +115,6 @@ def _call(fn: Callable, name: str, step: int, timeout_s: Optional[float], kwargs
     if timeout_s is None:
         target()
     else:
-        import threading
-
         worker = threading.Thread(target=target, daemon=True, name=f"reward-{name}")
         worker.start()
         worker.join(timeout_s)

@@ -22,7 +22,7 @@ from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron_grpo import faults
 from megatron_grpo.compat.megatron import moe_aux_loss_token_multiplier
 from megatron_grpo.config.schema import Config, to_dtype
-from megatron_grpo.loss import StatSet, clips, policy_loss_stats
+from megatron_grpo.loss import StatSet, clips, policy_loss_stats, ratios
 from megatron_grpo.loss.metrics import SHADOW_STATS, routing_stats
 from megatron_grpo.loss.policy import weight_center
 from megatron_grpo.loss.stats import masked_sum
@@ -40,6 +40,7 @@ from megatron_grpo.models.packing import (
     MicroBatch,
     PlanSpec,
     build_plan,
+    log_packing_cost,
     needed_lengths,
     plan_groups,
     plan_shapes,
@@ -78,8 +79,9 @@ def build_step_batch(rollouts: Rollouts, advantages: torch.Tensor, dp_rank: int,
     Checks that need every rank to agree run here, on the whole batch that every rank holds, so
     that all ranks raise together (never one rank inside the schedule's collectives): a batch
     without any valid completion token, or non-finite generator log-probs / advantages.
-    Advantages stay float64 (the loss casts them). ``balance_tokens`` (``policy.dynamic_batching``):
-    each DP rank gets the same number of sequences, chosen to balance tokens, instead of contiguous rows."""
+    Advantages stay float64 (the loss casts them). ``balance_tokens`` (``PlanSpec.balances_tokens``: token
+    budgets or packing): each DP rank gets the same number of sequences, chosen to balance tokens, instead
+    of contiguous rows."""
     seqs = [r.prompt_ids + r.completion_ids for r in rollouts]
     prompt_lens = [len(r.prompt_ids) for r in rollouts]
     packed = pack(seqs, prompt_lens, pad_id)
@@ -96,7 +98,7 @@ def build_step_batch(rollouts: Rollouts, advantages: torch.Tensor, dp_rank: int,
 
 def step_rows(lengths: Sequence[int], dp_rank: int, dp_size: int, balance_tokens: bool = False):
     """This DP rank's sequences of a step (``lengths``: each one's tokens): a contiguous slice, or with
-    ``balance_tokens`` (``policy.dynamic_batching``) the indices ``balanced_ranks`` gives it."""
+    ``balance_tokens`` (``PlanSpec.balances_tokens``) the indices ``balanced_ranks`` gives it."""
     if balance_tokens and dp_size > 1:
         return torch.tensor(balanced_ranks(lengths, dp_size)[dp_rank], dtype=torch.long)
     rows = len(lengths) // dp_size
@@ -154,6 +156,8 @@ class TrainStep:
         self.plan_spec = plan_spec(model, cfg)
         self.plan: Optional[List[MicroBatch]] = None
         """This step's micro-batches (``make_plan``), shared by every forward of the step."""
+        self.packing_cost_logged = False
+        """``log_packing_cost`` has said that packed rows compute more attention scores than padding (once)."""
 
     def make_plan(self, packed: PackedBatch, equalise: bool = True) -> List[MicroBatch]:
         """The micro-batches of ``packed`` (padded, token-budget or packed rows); with ``equalise``
@@ -161,6 +165,12 @@ class TrainStep:
         are split; a collective over DP). Forward-only passes outside a step need not agree, except
         under expert parallelism: there every rank's micro-batch ``k`` also gets one shape (the
         allgather dispatcher gathers equal token counts over EP), and passes always agree."""
+        plan = self._build_plan(packed, equalise)
+        if self.plan_spec.packing and not self.plan_spec.thd and not self.packing_cost_logged:
+            self.packing_cost_logged = log_packing_cost(plan, tuple(packed.input_ids.shape))
+        return plan
+
+    def _build_plan(self, packed: PackedBatch, equalise: bool) -> List[MicroBatch]:
         spec = self.plan_spec
         if spec.max_tokens is None and not spec.packing:
             return build_plan(packed.input_ids, packed.labels, packed.mask, spec)
@@ -182,7 +192,7 @@ class TrainStep:
         ``build_step_batch`` and ``run`` lay the step out: the megatron generator scores its rollouts
         with them, so its log-probs are the trainer's bit for bit under packing and token budgets too."""
         rows = step_rows(lengths, comm.group_rank(self.dp_group), comm.group_size(self.dp_group),
-                         self.cfg.policy.dynamic_batching.enabled)
+                         self.plan_spec.balances_tokens)
         return rows, self.make_plan(packed.rows(rows).to(model_device(self.model)))
 
     def lowp_log_probs(self, packed: PackedBatch, dtype: Optional[torch.dtype] = None,
@@ -274,22 +284,24 @@ class TrainStep:
         return cos
 
     def weight_center(self, batch: StepBatch, shadow) -> Optional[torch.Tensor]:
-        """``detach_center``'s mu_W over the whole global batch, from a no-grad pre-pass of the
-        training forward (same precision, same routing replay), before the schedule; None for
-        the other variants. The ratio's value only needs the trainer's log-probs with
-        ``ratio=train``; the other sources get it from the shadow / the generator."""
+        """``detach_center``'s mu_W over the whole global batch, before the schedule; None for the other
+        variants. ``loss.policy.weight_center`` gets exactly what the loss gets (the trainer's log-probs,
+        sanitized, and ``_loss_shadow``), so it centres on the loss's own ratio whatever the source. The
+        trainer's log-probs come from a no-grad pre-pass of the training forward (same precision, plan and
+        routing replay), unless a shadow forward ran and the ratio's value does not read them."""
         if not getattr(clips.get_clip_variant(self.cfg.loss_fn.clip), "needs_center", False):
             return None
-        if self.cfg.loss_fn.ratio == "train":
+        if shadow is not None and not ratios.value_reads_log_probs(self.cfg.loss_fn.ratio):
+            lp = shadow  # a stand-in: the ratio's value is the same whatever the trainer's log-probs
+        else:
             plan = self._plan_of(batch.packed)
             with self._routes(shadow=False, targets=self.replay_routes, plan=plan):
                 lp = forward_log_probs(self.model, batch.packed, compute_dtype=self.compute_dtype,
                                        params_dtype=self.params_dtype, temperature=self.cfg.generation.temperature,
                                        tp_group=self.tp_group, plan=plan)
-        else:
-            lp = shadow if shadow is not None else batch.old_log_probs
+            lp = self._sanitize(lp, batch.old_log_probs, batch.packed.mask, "the detach_center pre-pass")
         return weight_center(lp, batch.old_log_probs, batch.advantages, batch.packed.mask, self.loss_cfg,
-                             shadow_log_probs=shadow if shadow is not None else lp, dp_group=self.dp_group)
+                             shadow_log_probs=self._loss_shadow(shadow, slice(None), lp), dp_group=self.dp_group)
 
     def _ref_log_probs(self, packed: PackedBatch) -> Optional[torch.Tensor]:
         if self.ref_model is None:
@@ -447,10 +459,9 @@ def plan_spec(model, cfg: Config) -> PlanSpec:
     ``PlanSpec`` for ``model`` (row widths a multiple of 8 and of TP under SP; one row length
     under PP; THD ``PackedSeqParams`` where the Transformer Engine spec is active)."""
     p, config = cfg.policy, unwrap(model).config
-    packing, dynamic = p.sequence_packing.enabled, p.dynamic_batching.enabled
-    budget = p.dynamic_batching.max_tokens_per_microbatch if dynamic else None
-    if packing:
-        budget = budget or p.sequence_packing.train_mb_tokens or None
+    packing, dynamic = p.sequence_packing.enabled, p.dynamic_batching.enabled  # exclusive (config/schema.py)
+    budget = (p.sequence_packing.train_mb_tokens or None) if packing else \
+        (p.dynamic_batching.max_tokens_per_microbatch if dynamic else None)
     multiple = 8 * sequence_multiple(config)
     return PlanSpec(micro_batch_size=p.train_micro_batch_size, max_tokens=budget, packing=packing, multiple=multiple,
                     fixed_width=config.pipeline_model_parallel_size > 1, thd=packing and uses_te_attention(model))

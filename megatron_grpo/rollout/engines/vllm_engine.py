@@ -18,6 +18,7 @@ from typing import Iterable, List, Optional, Sequence, Tuple
 import torch
 import torch.multiprocessing as mp
 
+from megatron_grpo import faults
 from megatron_grpo.models.fp8 import FP8_DTYPE
 from megatron_grpo.models.fp8_hf import engine_keeps_bytes
 from megatron_grpo.rollout.engines import vllm_worker
@@ -88,7 +89,13 @@ class VLLMEngine(RolloutEngine):
         self._next_id, self._received = 1, {}
         started = time.monotonic()
         self._proc.start()
-        self._wait(0, "start", timeout_s)
+        faults.maybe_kill_starting_generator(self._proc)
+        try:
+            self._wait(0, "start", timeout_s)
+        except BaseException:  # a start that timed out or failed leaves no process behind
+            self._proc.kill()
+            self._proc.join(timeout=30)
+            raise
         logger.info("vLLM generator (%s, %s) ready in %.1f s", self.options["model"], self.options["dtype"],
                     time.monotonic() - started)
 

@@ -18,6 +18,7 @@ server ends in a ``GeneratorError`` that says so, never a hang.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import logging
 import os
@@ -34,6 +35,7 @@ from typing import Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
+from megatron_grpo import faults
 from megatron_grpo.compat.vllm import json_safe_update_payload
 from megatron_grpo.models.fp8_hf import engine_keeps_bytes
 from megatron_grpo.rollout.engines.vllm_engine import DTYPE_NAMES, fp8_engine_options
@@ -53,9 +55,6 @@ def _free_port() -> int:
 def _die_with_parent() -> None:
     """Linux: the server gets SIGTERM when the trainer dies (even by SIGKILL), so none is orphaned."""
     try:
-        import ctypes
-        import signal
-
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except Exception:  # noqa: BLE001 - best effort on other platforms
         pass
@@ -172,6 +171,7 @@ class VLLMServerEngine(RolloutEngine):
         self._log = open(self._log_path, "a")  # a restarted server appends: the crash stays readable
         self._proc = subprocess.Popen(self.launch_prefix + cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env,
                                       start_new_session=True, preexec_fn=_die_with_parent)
+        faults.maybe_kill_starting_generator(self._proc)
 
     def _wait_healthy(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s

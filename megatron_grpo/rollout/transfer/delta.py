@@ -2,12 +2,17 @@
 generation-dtype value changed travel, as a flat-index + value patch per tensor.
 
 Trainer side (``DeltaState``, one per rank): each rank keeps a generation-dtype copy of the shards
-it last sent (its own shards only: no rank holds the whole model) and, before the gather, compares
-its freshly cast shard bit for bit with that copy (``changed``); the uint8 change masks are gathered
-with the values (``weight_sync``), and the sending rank turns each full tensor + mask into a patch
-(``encode``) unless the patch (int32/int64 indices + values) would be at least the dense bytes.
-Which pushes are full is decided identically on every rank (``start``): the first, the one after an
-engine restart (``force_full``), and every ``full_every``-th.
+it sends (its own shards only, and only those it sends: no rank holds the whole model) and compares
+its freshly cast shard bit for bit with that copy (``changed``), updating the copy in place. A
+multi-rank gather (``weight_sync``) then never carries more bytes per rank than the dense one: the
+group agrees on its largest count of changed elements, and when a patch of that many (index, value)
+pairs is smaller than the shard every rank sends one (``pack_changes``, padded to that count), else
+every rank sends its values and all count as changed. The sender then holds, per full tensor, values
+that are exact where its mask is set; tensors small enough to be checksummed are completed from a full
+copy it keeps of them (``settle``), larger ones are always sent as patches (``encode``). Otherwise the
+sender turns each full tensor + mask into a patch unless the patch (int32/int64 indices + values) would
+be at least the dense bytes. Which pushes are full is decided identically on every rank (``start``):
+the first, the one after an engine restart (``force_full``), and every ``full_every``-th.
 
 Wire format: a patch of tensor ``N`` is the bucket entries ``N::delta_index`` (int32, or int64 past
 2**31 elements), ``N::delta_value`` (generation dtype) and, for tensors the parity probe checksums,
@@ -63,7 +68,13 @@ class DeltaState:
     full: bool = True
     """This push is full (no masks gathered): the same on every rank."""
     shards: Dict[str, torch.Tensor] = field(default_factory=dict)
-    """Parameter name -> this rank's shard as last sent (generation dtype)."""
+    """Parameter name -> this rank's shard as last sent (generation dtype): the shards it sends only."""
+    fulls: Dict[str, torch.Tensor] = field(default_factory=dict)
+    """The sender: HF name -> the full tensor as last sent, for tensors gathered from several ranks that are
+    small enough to be checksummed (their patches carry the full tensor's sha256)."""
+    patches_agreed: Optional[bool] = None
+    """Whether the engine applies patches (global rank 0 holds it; every rank learns it on the first delta
+    push): if not, every push is full."""
 
     def start(self) -> bool:
         self.full = (self.num_pushes == 0 or self.force_full
@@ -75,31 +86,84 @@ class DeltaState:
         self.since_full = 1 if self.full else self.since_full + 1
         self.force_full = False
 
-    def changed(self, key: str, local: torch.Tensor) -> Optional[torch.Tensor]:
+    def changed(self, key: str, local: torch.Tensor, owned: bool = True) -> Optional[torch.Tensor]:
         """uint8 mask of the elements of ``local`` (this rank's cast shard) whose bits differ from what
-        this rank last sent, or None on a full push; remembers ``local`` as sent."""
+        this rank last sent, or None on a full push; remembers ``local`` as sent: a full push keeps it
+        (a copy where it is not ``owned``: a view of the live parameter), a delta push copies it into
+        the kept shard in place (no new copy)."""
         prev = self.shards.get(key)
-        self.shards[key] = local
         if self.full:
+            self.shards[key] = local if owned else local.clone()
             return None
         assert prev is not None and prev.shape == local.shape, f"delta push: no shard of {key} from the last push"
         ints = _INT_OF_SIZE[local.element_size()]
-        return (local.view(ints) != prev.view(ints)).to(torch.uint8)
+        mask = (local.view(ints) != prev.view(ints)).to(torch.uint8)
+        prev.copy_(local)
+        return mask
+
+    def settle(self, name: str, full: torch.Tensor, mask: Optional[torch.Tensor], partial: bool,
+               digest_max_numel: int) -> Tuple[torch.Tensor, bool]:
+        """The sender, for a tensor gathered from several ranks: (the tensor, whether its values are exact).
+        ``partial``: exact only where ``mask`` is set (patches from other ranks). A tensor that is
+        checksummed (at most ``digest_max_numel`` elements) is completed from the kept full copy, which it
+        then replaces; a larger partial one can only be sent as a patch."""
+        if full.numel() > digest_max_numel:
+            return full, not partial
+        if partial:
+            full = torch.where(mask.bool(), full, self.fulls[name])
+        self.fulls[name] = full
+        return full, True
 
 
-def encode(name: str, full: torch.Tensor, mask: torch.Tensor, digest_max_numel: int) -> Tuple[List[Entry], bool]:
+def index_dtype(numel: int) -> torch.dtype:
+    """Flat indices into ``numel`` elements: int32, or int64 past 2**31."""
+    return torch.int32 if numel < 2**31 else torch.int64
+
+
+def patch_fits(num_changed: int, numel: int, element_size: int) -> bool:
+    """A patch of ``num_changed`` (index, value) pairs is smaller than the ``numel`` values themselves."""
+    index_size = torch.empty((), dtype=index_dtype(numel)).element_size()
+    return num_changed * (index_size + element_size) < numel * element_size
+
+
+def pack_changes(local: torch.Tensor, mask: torch.Tensor, count: int) -> torch.Tensor:
+    """uint8 ``[count * (index + value bytes)]``: ``local``'s changed elements as flat indices (padded with
+    -1) then their values, padded to ``count`` (the gather group's largest), for a gather of one shape."""
+    changed = mask.reshape(-1).nonzero().view(-1)
+    index = torch.full((count,), -1, dtype=index_dtype(local.numel()), device=local.device)
+    values = torch.zeros(count, dtype=local.dtype, device=local.device)
+    index[:changed.numel()] = changed
+    values[:changed.numel()] = local.reshape(-1)[changed]
+    return torch.cat([index.view(torch.uint8), values.view(torch.uint8)])
+
+
+def unpack_changes(packed: torch.Tensor, like: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``pack_changes``' bytes -> (values shaped like ``like``, 0 where unchanged; the uint8 change mask)."""
+    idx_dtype = index_dtype(like.numel())
+    index_size = torch.empty((), dtype=idx_dtype).element_size()
+    count = packed.numel() // (index_size + like.element_size())
+    index = packed[:count * index_size].view(idx_dtype)
+    values = packed[count * index_size:].view(like.dtype)
+    keep = index >= 0
+    index = index[keep].long()
+    full, mask = torch.zeros_like(like), torch.zeros(like.shape, dtype=torch.uint8, device=like.device)
+    full.view(-1)[index] = values[keep]
+    mask.view(-1)[index] = 1
+    return full, mask
+
+
+def encode(name: str, full: torch.Tensor, mask: torch.Tensor, digest_max_numel: int,
+           exact: bool = True) -> Tuple[List[Entry], bool]:
     """(bucket entries, is a patch) of one full tensor: its patch when smaller than the dense bytes,
-    else the tensor itself."""
+    else the tensor itself; always the patch when the values are ``exact`` only where ``mask`` is set."""
     numel = full.numel()
-    idx_dtype = torch.int32 if numel < 2**31 else torch.int64
-    num_changed = int(mask.count_nonzero())
-    patch_bytes = num_changed * (torch.empty((), dtype=idx_dtype).element_size() + full.element_size())
-    if patch_bytes >= numel * full.element_size():
+    if exact and not patch_fits(int(mask.count_nonzero()), numel, full.element_size()):
         return [(name, full)], False
     flat = full.contiguous().view(-1)
     index = mask.reshape(-1).nonzero().view(-1)
-    entries = [(name + INDEX, index.to(idx_dtype)), (name + VALUE, flat[index])]
+    entries = [(name + INDEX, index.to(index_dtype(numel))), (name + VALUE, flat[index])]
     if numel <= digest_max_numel:
+        assert exact, f"delta push: {name} is checksummed but its values are not all known"
         digest = hashlib.sha256(flat.view(torch.uint8).numpy()).digest()
         entries.append((name + SHA256, torch.frombuffer(bytearray(digest), dtype=torch.uint8)))
     return entries, True

@@ -74,11 +74,12 @@ def hf_buckets(model, shape, dtype: torch.dtype, bucket_bytes: int, report: Push
     """
     bucket, size, group = [], 0, None
     if delta is not None:
+        assert transform is None, "a delta push's values may be known only where they changed: no transform"
         items = _stage_items(model, shape, dtype, delta, fp8)
     else:
-        stream = stage_hf_tensors if per_stage else hf_tensors_on_rank0
-        items = ((n, t, None) for n, t in stream(model, shape, dtype, fp8))
-    for name, tensor, mask in items:
+        items = ((n, t, None, True) for n, t in
+                 (stage_hf_tensors if per_stage else hf_tensors_on_rank0)(model, shape, dtype, fp8))
+    for name, tensor, mask, exact in items:
         if size >= bucket_bytes and _layer_of(name) != group:
             yield _close(bucket, size, report, delta is not None and patches)
             bucket, size = [], 0
@@ -91,7 +92,7 @@ def hf_buckets(model, shape, dtype: torch.dtype, bucket_bytes: int, report: Push
             name, tensor = item
         entries, patched = [(name, tensor)], False
         if mask is not None and patches:
-            entries, patched = D.encode(name, tensor, mask, DIGEST_MAX_NUMEL)
+            entries, patched = D.encode(name, tensor, mask, DIGEST_MAX_NUMEL, exact)
         bucket.extend(entries)
         size += D.entry_bytes(entries)
         report.dense_bytes += tensor.numel() * tensor.element_size()
@@ -125,18 +126,20 @@ def stage_hf_tensors(model, shape, dtype: torch.dtype, fp8: Optional[Fp8Recipe] 
                      ) -> Iterator[Tuple[str, torch.Tensor]]:
     """This pipeline stage's full HF tensors in ``dtype``, yielded on the stage's leader only.
 
-    Local shards are cast before they are gathered (a copy where the dtype differs or a delta push keeps
-    it; in the same dtype at TP = 1 the tensors yielded may be views of the live parameters, so they are
-    read before the next update: every push is synchronous). Ranks that share the leader's TP group
-    (dense weights) or its expert tensor-and-model-parallel group (experts) run the gathers and
-    yield nothing; every other rank returns at once."""
-    for name, tensor, _ in _stage_items(model, shape, dtype, None, fp8):
+    Local shards are cast before they are gathered (a copy where the dtype differs; in the same dtype the
+    tensors yielded may be views of the live parameters, so they are read before the next update: every
+    push is synchronous). Ranks that share the leader's TP group (dense weights) or its expert
+    tensor-and-model-parallel group (experts) run the gathers and yield nothing; every other rank
+    returns at once."""
+    for name, tensor, _, _ in _stage_items(model, shape, dtype, None, fp8):
         yield name, tensor
 
 
 def _stage_items(model, shape, dtype: torch.dtype, delta: Optional[D.DeltaState], fp8: Optional[Fp8Recipe] = None):
-    """``stage_hf_tensors`` as (name, tensor, change mask or None): with ``delta`` on a delta push, each
-    rank's uint8 mask of its changed shard elements is gathered beside the values (the same route)."""
+    """``stage_hf_tensors`` as (name, tensor, change mask or None, values exact): with ``delta`` on a delta
+    push, each rank's changed shard elements travel as ``_gather_changes`` says (never more bytes than
+    the dense gather), and a tensor's values may be exact only where its mask is set. A rank casts, keeps
+    and compares only the shards it sends (replicated ones: the leader alone)."""
     me, leader = _my_rank(), stage_leader(ps.get_pipeline_model_parallel_rank())
     tp = ps.get_tensor_model_parallel_group()
     dense = leader in comm.group_ranks(tp)
@@ -147,70 +150,116 @@ def _stage_items(model, shape, dtype: torch.dtype, delta: Optional[D.DeltaState]
     place, params = RankPlacement.current(model), dict(gpt.named_parameters())
     quantized = fp8_param_names(gpt, fp8) if fp8 is not None else set()
     for pm in _export_order(shape, place):
-        if (pm.expert and not experts) or (not pm.expert and not dense):
+        if (pm.expert and not experts) or (not pm.expert and not dense) or (pm.kind == "rep" and me != leader):
             continue
-        for piece, local, piece_shape, view in _pieces(pm, params[pm.mcore_name].detach(), dtype, delta is not None,
-                                                       fp8 if pm.mcore_name in quantized else None, shape):
-            mask = None if delta is None else delta.changed(piece.mcore_name, local)
-            for name, tensor, m in _piece_items(piece, local, mask, piece_shape, place, me, leader, tp):
-                yield name, tensor if view is None else tensor.view(view), m
+        pieces = _pieces(pm, params[pm.mcore_name].detach(), dtype, fp8 if pm.mcore_name in quantized else None, shape)
+        for piece, local, owned, piece_shape, view in pieces:
+            mask = None if delta is None else delta.changed(piece.mcore_name, local, owned=owned)
+            if piece.expert:
+                items = _gather_expert(piece, local, mask, piece_shape, place, me, leader, delta)
+            else:
+                items = _gather_dense(piece, local, mask, piece_shape, me, leader, tp, delta)
+            for name, tensor, m, exact in items:
+                yield name, tensor if view is None else tensor.view(view), m, exact
 
 
-def _pieces(pm, param: torch.Tensor, dtype: torch.dtype, keep: bool, fp8: Optional[Fp8Recipe], shape):
-    """What one parameter sends, as (map, local tensor, shape its ``unshard`` uses, dtype to view the result
-    as): the shard cast to ``dtype`` (a copy only where the delta state ``keep``s it as "last sent"; otherwise
-    the cast, or in the same dtype the live parameter: the push is synchronous and reads it before the next
-    update); or, for an FP8 linear (``fp8``), its quantized shard as uint8 (the collectives' dtype) and its
-    block scales, mapped like the weight in units of blocks (``models/fp8_hf.py``)."""
+def _pieces(pm, param: torch.Tensor, dtype: torch.dtype, fp8: Optional[Fp8Recipe], shape):
+    """What one parameter sends, as (map, local tensor, whether it is a new tensor, shape its ``unshard``
+    uses, dtype to view the result as): the shard cast to ``dtype`` (in the same dtype the live parameter,
+    read before any update); or, for an FP8 linear (``fp8``), its quantized shard as uint8 (the collectives'
+    dtype) and its block scales, mapped like the weight in units of blocks (``models/fp8_hf.py``)."""
     if fp8 is None:
-        yield pm, param.to(dtype=dtype, copy=keep), shape, None
+        yield pm, param.to(dtype=dtype), param.dtype != dtype, shape, None
         return
     q, scale = quantize_weight(param, fp8.weight_block_size, fp8.use_weight_pow2_scale)
-    yield pm, q.view(torch.uint8), shape, FP8_DTYPE
+    yield pm, q.view(torch.uint8), True, shape, FP8_DTYPE
     scales = dataclasses.replace(pm, mcore_name=scale_name(pm.mcore_name), hf_names=tuple(map(scale_name, pm.hf_names)))
-    yield scales, scale, block_shape(shape, fp8.weight_block_size), None
+    yield scales, scale, True, block_shape(shape, fp8.weight_block_size), None
 
 
-def _piece_items(pm, local, mask, shape, place, me: int, leader: int, tp):
-    """One parameter's full HF tensors (and masks) on the stage leader, gathered over TP or over ETP + EP."""
-    if pm.expert and mask is None:
-        yield from ((n, t, None) for n, t in _gather_expert(pm, local, shape, place, me, leader))
-        return
-    if pm.expert:  # values, then masks, by the same route (every rank of the groups in the same order)
-        values = list(_gather_expert(pm, local, shape, place, me, leader))
-        masks = [m for _, m in _gather_expert(pm, mask, shape, place, me, leader)]
-        yield from ((n, t, m) for (n, t), m in zip(values, masks))
-        return
-    shards = [local] if pm.kind == "rep" else comm.gather_to(local, leader, tp)
-    mask_shards = None if mask is None else [mask] if pm.kind == "rep" else comm.gather_to(mask, leader, tp)
+def _gather_changes(local, mask, dst: int, group, exact: bool = True):
+    """Every group rank's (values, uint8 change mask) on global rank ``dst`` (None elsewhere) and whether
+    the values are exact only where the masks are set. Per rank never more bytes than the dense gather:
+    the group's largest count of changed elements (one small all-reduce) decides whether every rank sends
+    a patch of that many (index, value) pairs or its values (then every element counts as changed).
+    ``exact`` false (this rank knows its values only where ``mask`` is set): patches only."""
+    if comm.group_size(group) == 1:
+        return [(local, mask)], not exact
+    stats = comm.all_reduce_max(torch.tensor([int(mask.count_nonzero()), int(not exact)], dtype=torch.int64), group)
+    count, inexact = (int(v) for v in stats.tolist())
+    if not inexact and not D.patch_fits(count, local.numel(), local.element_size()):
+        parts = comm.gather_to(local, dst, group)
+        return (None if parts is None else [(p, torch.ones_like(mask)) for p in parts]), False
+    if count:
+        parts = comm.gather_to(D.pack_changes(local, mask, count), dst, group)
+    else:  # nothing changed in the group: nothing travels
+        parts = None if _my_rank() != dst else [mask.new_empty(0)] * comm.group_size(group)
+    if parts is None:
+        return None, True
+    me = comm.group_rank(group)
+    return [(local, mask) if r == me else D.unpack_changes(p, local) for r, p in enumerate(parts)], True
+
+
+def _item(delta, name: str, tensor, mask, partial: Optional[bool]):
+    """(name, tensor, mask, exact) on the sender; ``partial`` None = not gathered from several ranks (exact,
+    nothing kept), else ``DeltaState.settle``'s completion of a small tensor from its kept copy."""
+    if delta is None or partial is None:
+        return name, tensor, mask, True
+    tensor, exact = delta.settle(name, tensor, mask, partial, DIGEST_MAX_NUMEL)
+    return name, tensor, mask, exact
+
+
+def _gather_dense(pm, local, mask, shape, me: int, leader: int, tp, delta):
+    """A dense parameter's full HF tensors on the leader (every TP rank takes part unless replicated)."""
+    if pm.kind == "rep" or comm.group_size(tp) == 1:
+        parts, partial = [(local, mask)], None
+    elif mask is None:
+        shards = comm.gather_to(local, leader, tp)
+        parts, partial = (None if shards is None else [(t, None) for t in shards]), False
+    else:
+        parts, partial = _gather_changes(local, mask, leader, tp)
     if me != leader:
         return
-    masks = [None] * len(pm.hf_names) if mask is None else unshard(pm, mask_shards, shape)
-    for name, tensor, m in zip(pm.hf_names, unshard(pm, shards, shape, views=True), masks):
-        yield name, tensor, m
+    values = unshard(pm, [v for v, _ in parts], shape, views=True)
+    masks = [None] * len(values) if mask is None else unshard(pm, [m for _, m in parts], shape)
+    for name, tensor, m in zip(pm.hf_names, values, masks):
+        item = _item(delta, name, tensor, m, partial)
+        yield item
         if name == "model.embed_tokens.weight" and shape.tie_word_embeddings:
-            yield "lm_head.weight", tensor, m
+            yield ("lm_head.weight",) + item[1:]
 
 
-def _gather_expert(pm, local, shape, place, me: int, leader: int):
+def _gather_expert(pm, local, mask, shape, place, me: int, leader: int, delta):
     """One local expert's shards to its expert-TP root, then that slot of every EP rank to the leader
     (the expert-TP roots of the leader's block are exactly the leader's EP group)."""
     etp, ep = ps.get_expert_tensor_parallel_group(), ps.get_expert_model_parallel_group()
     root = comm.group_ranks(etp)[0]
-    shards = comm.gather_to(local, root, etp)
+    if mask is None:
+        shards = comm.gather_to(local, root, etp)
+        parts, partial = (None if shards is None else [(t, None) for t in shards]), False
+    else:
+        parts, partial = _gather_changes(local, mask, root, etp)
     if me != root:
         return
     local_e = int(pm.mcore_name.split("local_experts.")[1].split(".")[0])
-    per_rank = shape.num_experts // place.ep
-    for i, tensor in enumerate(unshard(pm, shards, shape)):
-        gathered = comm.gather_to(tensor, leader, ep)
+    per_rank, several = shape.num_experts // place.ep, comm.group_size(etp) * comm.group_size(ep) > 1
+    values = unshard(pm, [v for v, _ in parts], shape)
+    masks = [None] * len(values) if mask is None else unshard(pm, [m for _, m in parts], shape)
+    for i, (tensor, m) in enumerate(zip(values, masks)):
+        if m is None:
+            gathered = comm.gather_to(tensor, leader, ep)
+            gathered, partial_ep = (None if gathered is None else [(t, None) for t in gathered]), False
+        else:
+            gathered, partial_ep = _gather_changes(tensor, m, leader, ep, exact=not partial)
         if me == leader:
-            for ep_rank, t in enumerate(gathered):
-                yield _rename_expert(pm.hf_names[i], ep_rank * per_rank + local_e), t
+            for ep_rank, (t, m_ep) in enumerate(gathered):
+                name = _rename_expert(pm.hf_names[i], ep_rank * per_rank + local_e)
+                yield _item(delta, name, t, m_ep, (partial or partial_ep) if several else None)
 
 
 _HEADERS = weakref.WeakKeyDictionary()
-"""model -> {(stage, dtype): [(name, shape), ...]}: what stage leaders send rank 0, learnt on the first push."""
+"""model -> {(stage, dtype, fp8 recipe): [(name, shape, dtype), ...]}: what stage leaders send rank 0, learnt on the
+first push."""
 
 
 def hf_tensors_on_rank0(model, shape, dtype: torch.dtype, fp8: Optional[Fp8Recipe] = None
@@ -298,6 +347,14 @@ def _warn_once(message: str) -> None:
         logger.warning(message)
 
 
+def _patches_agreed(delta: D.DeltaState, patches: bool) -> bool:
+    """Whether global rank 0's engine applies patches, learnt by every rank on the first delta push (one
+    broadcast per run): the gathers of a delta push carry only what changed."""
+    if delta.patches_agreed is None:
+        delta.patches_agreed = bool(comm.broadcast_object(patches, src=0))
+    return delta.patches_agreed
+
+
 def push_weights(model, shape, engine, version: int, *, dtype: torch.dtype, bucket_mb: float = 64.0,
                  transform: Optional[Transform] = None, delta: Optional[D.DeltaState] = None,
                  fp8: Optional[Fp8Recipe] = None) -> PushReport:
@@ -320,9 +377,12 @@ def push_weights(model, shape, engine, version: int, *, dtype: torch.dtype, buck
     patches = engine is not None and bool(getattr(engine, "accepts_delta_push", False))
     if delta is not None:
         report.full = delta.start()
-        if engine is not None and not patches and not report.full:
-            _warn_once(f"generation.delta_push: {getattr(engine, 'describe', lambda: 'the engine')()} cannot apply "
-                       "patches (the file and gloo transports can; vLLM's nccl and ipc engines cannot); pushing full weights")
+        if not report.full and not _patches_agreed(delta, patches):
+            delta.full = report.full = True  # other ranks send only what changed: the engine must apply patches
+            if engine is not None:
+                _warn_once(f"generation.delta_push: {getattr(engine, 'describe', lambda: 'the engine')()} cannot "
+                           "apply patches (the file and gloo transports can; vLLM's nccl and ipc engines cannot); "
+                           "pushing full weights")
     buckets = hf_buckets(model, shape, dtype, int(bucket_mb * 2**20), report, transform, delta=delta,
                          patches=patches, fp8=fp8)
     try:
