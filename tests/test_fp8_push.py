@@ -98,7 +98,45 @@ def _push_worker(cases):
         engine = _Capture() if int(os.environ["RANK"]) == 0 else None
         report = push_weights(model, shape, engine, 1, dtype=FP8_DTYPE, bucket_mb=0.05, fp8=recipe)
         forward = {name: dequantize_weight(w.q, w.scale_inv) for name, w in quantize_model(unwrap(model), recipe).items()}
-        out.append((engine.weights if engine else None, report.num_bytes, report.dense_bytes, forward))
+        deltas = _delta_pushes(model, shape, recipe) if "pp" not in layout else None
+        out.append((engine.weights if engine else None, report.num_bytes, report.dense_bytes, forward, deltas))
+    return out
+
+
+def _delta_pushes(model, shape, recipe):
+    """Delta pushes of the FP8 bytes: every rank changes a few elements of its shards (the same draws, so
+    replicated weights stay equal) and pushes with its own ``DeltaState`` (changes gathered over TP / EP);
+    rank 0's receiver (vLLM workers' ``DeltaReceiver``) must hold exactly the dense FP8 push's tensors after
+    every push. Returns rank 0's (full?, equal to dense?, bytes sent, dense bytes) per push."""
+    from megatron_grpo.models.fp8 import FP8_DTYPE, OUTPUT_DTYPE
+    from megatron_grpo.rollout.transfer import delta as D
+    from megatron_grpo.rollout.transfer.weight_sync import hf_tensors_on_rank0, push_weights
+
+    class Receiver:
+        accepts_delta_push = True
+
+        def __init__(self):
+            self.receiver, self.weights = D.DeltaReceiver(), {}
+
+        def update_weights(self, buckets, version):
+            for bucket in buckets:
+                self.weights.update({n: t.clone() for n, t in self.receiver.apply(bucket)})
+
+    engine = Receiver() if int(os.environ["RANK"]) == 0 else None
+    delta, gen, out = D.DeltaState(full_every=0), torch.Generator().manual_seed(1), []
+    for version in range(3):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.view(-1)[torch.randint(p.numel(), (3,), generator=gen)] += 0.01
+        report = push_weights(model, shape, engine, version, dtype=FP8_DTYPE, bucket_mb=0.05, delta=delta, fp8=recipe)
+        dense = {n: t.clone() for n, t in hf_tensors_on_rank0(model, shape, OUTPUT_DTYPE, recipe)}
+        if engine is not None:
+            same = sorted(dense) == sorted(engine.weights) and all(
+                dense[n].dtype == engine.weights[n].dtype and torch.equal(dense[n].view(torch.uint8),
+                                                                          engine.weights[n].view(torch.uint8))
+                for n in dense)
+            num_fp8 = sum(t.dtype == FP8_DTYPE for t in engine.weights.values())
+            out.append((report.full, same and num_fp8 > 0, report.num_bytes, report.dense_bytes))
     return out
 
 
@@ -127,7 +165,7 @@ def test_fp8_push_is_the_hf_weights_quantized_whole_at_tp2_ep2_pp2(tiny_dense, t
     """Each rank quantizes only its own shards; the e4m3 bytes and block scales gathered over TP (fused QKV per
     query group, fc1 [gate; up] per rank), EP (experts) and PP (stages forwarded to rank 0 with their dtypes)
     are bit for bit the HF weights quantized whole, under HF names; the rest goes in bf16; push bytes count
-    1 B per fp8 value + 4 B per scale."""
+    1 B per fp8 value + 4 B per scale. Delta pushes of those bytes (TP=2, EP=2) rebuild the dense ones."""
     from megatron_grpo.models.fp8 import FP8_DTYPE, Fp8Recipe
 
     cases = [(tiny_dense, dict(tp=2), Fp8Recipe((32, 32), 32, num_first_layers_in_bf16=1)),
@@ -135,7 +173,10 @@ def test_fp8_push_is_the_hf_weights_quantized_whole_at_tp2_ep2_pp2(tiny_dense, t
              (tiny_dense, dict(pp=2), Fp8Recipe((32, 64), 32, num_last_layers_in_bf16=1))]
     by_rank = run_distributed(_push_worker, 2, cases)
     for i, (model_dir, layout, recipe) in enumerate(cases):
-        pushed, num_bytes, dense_bytes, _ = by_rank[0][i]
+        pushed, num_bytes, dense_bytes, _, deltas = by_rank[0][i]
+        if deltas is not None:  # delta pushes of the FP8 bytes rebuild the dense FP8 push bit for bit
+            assert [full for full, *_ in deltas] == [True, False, False] and all(same for _, same, *_ in deltas)
+            assert all(sent < 0.25 * dense for full, _, sent, dense in deltas if not full), (layout, deltas)
         if "pp" not in layout:
             _check_forward_weights(pushed, [r[i][3] for r in by_rank], model_dir, layout)
         expected = reference_push(model_dir, recipe)
@@ -285,7 +326,7 @@ def test_fp8_engines_start_with_vllms_block_fp8_and_digest_only_bytes_vllm_keeps
 
 def test_vllm_fp8_recipes_are_what_vllm_computes():
     """With a vLLM generator the FP8 recipe must be vLLM's: square blocks with the activation group their side,
-    pow2 activations only with pow2 weights, blocks tiling vLLM's own TP partitions; no delta push yet."""
+    pow2 activations only with pow2 weights, blocks tiling vLLM's own TP partitions."""
     from megatron_grpo.models.qwen3 import load_hf_config, shape_from_hf
     from megatron_grpo.rollout.pool import check_engine_shape
 
@@ -299,8 +340,7 @@ def test_vllm_fp8_recipes_are_what_vllm_computes():
     from_dict(Config, {"policy": {"precision": {"params_dtype": "bfloat16", "compute_dtype": "bfloat16",
                                                 "generation_dtype": "fp8", "fp8": {"weight_block_size": [32, 64]}}},
                        "generation": {"backend": "megatron"}})  # our own FP8 forward takes any tiling block
-    with pytest.raises(ValueError, match="generation.delta_push with policy.precision.generation_dtype=fp8"):
-        _fp8_cfg(delta_push=True)
+    assert _fp8_cfg(delta_push=True).generation.delta_push  # patches of the e4m3 bytes and scales
     shape = shape_from_hf(load_hf_config(os.path.join(ROOT, "recipes", "model_configs", "qwen3-30b-a3b")))
     cfg = _fp8_cfg(tensor_parallel_size=4)
     check_engine_shape(cfg.generation, shape, [128, 128])  # 4 KV heads x 128 over 4 workers: one block each
@@ -333,14 +373,25 @@ def test_fp8_cluster_recipe_dry_run_prints_the_engines_fp8_arguments(capsys, mon
 
 
 def test_plan_counts_an_fp8_generators_bytes_like_the_push(tiny_dense):
-    """A colocated FP8 engine's weights in the memory plan: its quantized linears at 1 B per value + 4 B per
-    block scale, the rest (embeddings, norms, the bf16 layer) at 2 B: the bytes of the reference push."""
+    """The memory plan's FP8 terms against the reference push's tensors: a colocated FP8 engine's weights and the
+    delta push's kept copy (quantized linears at 1 B per value + 4 B per block scale, the rest at 2 B: the push's
+    bytes), and the FP8 forward's weights (those linears as e4m3 + scales and as fp32) when the shadow is fp8."""
+    from megatron_grpo.models.fp8 import FP8_DTYPE
     from megatron_grpo.models.qwen3 import load_hf_config, shape_from_hf
-    from megatron_grpo.trainer.plan import generator_weight_bytes
+    from megatron_grpo.trainer.plan import generator_weight_bytes, largest_hf_tensor, memory_plan
 
+    fp8 = {"weight_block_size": [32, 32], "activation_block_size": 32, "num_first_layers_in_bf16": 1}
     cfg = from_dict(Config, {"policy": {"model_name": tiny_dense, "precision": {
-        "params_dtype": "bfloat16", "compute_dtype": "bfloat16", "generation_dtype": "fp8",
-        "fp8": {"weight_block_size": [32, 32], "activation_block_size": 32, "num_first_layers_in_bf16": 1}}}})
+        "params_dtype": "bfloat16", "compute_dtype": "bfloat16", "generation_dtype": "fp8", "shadow_dtype": "bfloat16",
+        "fp8": fp8}}, "generation": {"delta_push": True, "parity_probe_every": 0}})
+    shape = shape_from_hf(load_hf_config(tiny_dense))
     pushed = reference_push(tiny_dense, cfg.policy.precision.fp8.recipe())
     expected = sum(t.numel() * t.element_size() for t in pushed.values())
-    assert generator_weight_bytes(cfg, shape_from_hf(load_hf_config(tiny_dense))) == expected
+    assert generator_weight_bytes(cfg, shape) == expected
+    plan = memory_plan(cfg, shape, 1)
+    assert plan.term("delta push copy").bytes == expected + 2 * largest_hf_tensor(shape)
+    assert "FP8 forward weights" not in {t.name for t in plan.terms}  # bf16 shadow, no parity probe: none runs
+    cfg.policy.precision.shadow_dtype = "fp8"
+    fp8_values = sum(t.numel() for t in pushed.values() if t.dtype == FP8_DTYPE)
+    scales = sum(t.numel() for n, t in pushed.items() if n.endswith("_scale_inv"))
+    assert memory_plan(cfg, shape, 1).term("FP8 forward weights").bytes == fp8_values * (1 + 4) + scales * 4

@@ -147,7 +147,7 @@ class PrecisionConfig:
         return FP8 in (self.generation_dtype, self.shadow_dtype)
 
 
-def check_vllm_fp8(p: PrecisionConfig, backend: str, delta_push: bool) -> None:
+def check_vllm_fp8(p: PrecisionConfig, backend: str) -> None:
     """``generation_dtype: fp8`` on vLLM (``backend`` vllm / vllm_server): the recipe must be what vLLM 0.32's
     block FP8 computes. It quantizes activations per token in groups of ``weight_block_size[0]`` and its GEMMs
     take them per block column, so blocks are square and the activation group is their side; it rounds
@@ -165,6 +165,3 @@ def check_vllm_fp8(p: PrecisionConfig, backend: str, delta_push: bool) -> None:
         raise ValueError(f"{key}.use_activation_pow2_scale=true needs {key}.use_weight_pow2_scale=true with "
                          f"generation.backend={backend}: vLLM rounds activation scales to powers of two only on its "
                          "DeepGEMM UE8M0 path, which re-quantizes the weights to power-of-two scales too")
-    if delta_push:
-        raise ValueError("generation.delta_push with policy.precision.generation_dtype=fp8 is not supported yet (the "
-                         "patches carry bf16 / fp32 values); set generation.delta_push=false")

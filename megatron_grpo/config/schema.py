@@ -318,7 +318,7 @@ class Config:
                 "policy.precision.compute_dtype=%s differs from generation_dtype=%s with loss_fn.ratio=train: "
                 "phantom clipping is expected. Fixes: match the precisions (compute_dtype=%s, or float16 for both), "
                 "or loss_fn.ratio=shadow.", p.compute_dtype, p.generation_dtype, p.generation_dtype)
-        check_vllm_fp8(p, self.generation.backend, self.generation.delta_push)
+        check_vllm_fp8(p, self.generation.backend)
         if m.fp8 is not None and p.needs_shadow:
             raise ValueError(f"policy.megatron_cfg.fp8={m.fp8} with policy.precision.shadow_dtype={p.shadow_dtype} != "
                              f"compute_dtype={p.compute_dtype}: every forward of the trainer's model runs TE's FP8 "

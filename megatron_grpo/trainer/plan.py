@@ -222,6 +222,44 @@ def linear_params(shape: ModelShape) -> int:
     return h * (2 * shape.num_heads + 2 * shape.num_kv_heads) * d + 3 * h * mlp
 
 
+def fp8_local_elements(cfg: Config, shape: ModelShape) -> float:
+    """Elements of this rank's FP8 linears (the quantized layers' attention projections over TP, their MLP over
+    TP or experts over EP x ETP, spread over the pipeline stages); 0 without fp8."""
+    p, m = cfg.policy.precision, cfg.policy.megatron_cfg
+    if not p.uses_fp8:
+        return 0.0
+    h, d = shape.hidden_size, shape.head_dim
+    attention = h * (2 * shape.num_heads + 2 * shape.num_kv_heads) * d / m.tensor_model_parallel_size
+    mlp = (3 * h * shape.moe_ffn_hidden_size * shape.num_experts / (m.expert_model_parallel_size
+                                                                    * m.expert_tensor_parallel_size)
+           if shape.is_moe else 3 * h * shape.ffn_hidden_size / m.tensor_model_parallel_size)
+    layers = len(quantized_layer_ids(shape.num_layers, p.fp8.recipe())) / m.pipeline_model_parallel_size
+    return (attention + mlp) * layers
+
+
+def fp8_value_bytes(cfg: Config) -> float:
+    """Bytes per FP8 value with its share of the block's fp32 scale."""
+    bn, bk = cfg.policy.precision.fp8.weight_block_size
+    return 1 + 4 / (bn * bk)
+
+
+def _fp8_forward_term(cfg: Config, shape: ModelShape) -> Term:
+    """The FP8 forward (``models.fp8.fp8_forward``: the shadow, the megatron generator, the parity probe's trainer
+    side in fp8) holds, while it runs, this rank's FP8 linears quantized (e4m3 + scales) and dequantized (fp32)."""
+    elements = fp8_local_elements(cfg, shape)
+    return Term("FP8 forward weights", elements * (fp8_value_bytes(cfg) + 4),
+                ("policy.precision.shadow_dtype", "policy.precision.fp8.num_first_layers_in_bf16") + LAYOUT_KEYS
+                + EXPERT_KEYS, f"{elements / 1e9:.3f}B elements of this rank's FP8 linears as e4m3 + scales and as the "
+                "fp32 weights the emulated FP8 GEMM multiplies, during an FP8 forward")
+
+
+def _fp8_forward_runs(cfg: Config) -> bool:
+    """An FP8 forward runs on the trainer's model: the shadow in fp8, or fp8 generation on the megatron
+    generator or in the parity probe's trainer side."""
+    p, g = cfg.policy.precision, cfg.generation
+    return p.shadow_dtype == FP8 or (p.generation_dtype == FP8 and (g.backend == "megatron" or g.parity_probe_every > 0))
+
+
 def generation_itemsize(cfg: Config) -> int:
     """Bytes per element of the generator's activations, KV cache and pushed tensors: the generation dtype's;
     bf16 for fp8 (what runs around its FP8 GEMMs; an upper bound for the pushed linears: 1 B + scales)."""
@@ -303,7 +341,9 @@ def _delta_term(cfg: Config, shape: ModelShape, count: ParamCount) -> Term:
     m, size = cfg.policy.megatron_cfg, generation_itemsize(cfg)
     whole = gathered_checksummed_elements(shape, tp=m.tensor_model_parallel_size, ep=m.expert_model_parallel_size,
                                           etp=m.expert_tensor_parallel_size)
-    return Term("delta push copy", size * (count.num_local + whole) + 2 * largest_hf_tensor(shape),
+    fp8 = fp8_local_elements(cfg, shape) if cfg.policy.precision.generation_dtype == FP8 else 0.0
+    kept = size * (count.num_local - fp8 + whole) + fp8_value_bytes(cfg) * fp8  # fp8: 1 B + scales per FP8 value
+    return Term("delta push copy", kept + 2 * largest_hf_tensor(shape),
                 ("generation.delta_push",) + LAYOUT_KEYS + EXPERT_KEYS,
                 f"rank 0: its shards as last sent ({count.num_local / 1e9:.3f}B elements) + {whole / 1e6:.3g}M elements "
                 f"of gathered tensors <= {DIGEST_MAX_NUMEL} elements kept whole, in the generation dtype, + the uint8 "
@@ -368,6 +408,8 @@ def _stage_plan(cfg: Config, shape: ModelShape, world_size: int, stage: int) -> 
         terms.append(_push_term(cfg, shape))
     if cfg.generation.delta_push and pp == 1:
         terms.append(_delta_term(cfg, shape, count))
+    if _fp8_forward_runs(cfg):
+        terms.append(_fp8_forward_term(cfg, shape))
     if stage == 0 and generator_colocated(cfg):
         terms.append(_generator_term(cfg, shape, cfg.cluster.gpu_memory_gib))
     if stage == 0 and _uses_nccl_transport(cfg, world_size):
