@@ -289,7 +289,7 @@ def _print_split(model_dir, args, copy_s: float, copy_bytes: int, parts) -> None
           f"vLLM's load {(full - write) * 1e3:.0f} ms")
 
 
-def main() -> None:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model", default=None, help="HF checkpoint dir (default: a fresh tiny Qwen3)")
     parser.add_argument("--hidden", type=int, default=None, help="without --model: a wider tiny Qwen3 (e.g. 1024)")
@@ -310,7 +310,11 @@ def main() -> None:
                                                                     "at most 128)")
     parser.add_argument("--split", action="store_true",
                         help="where a file push's time goes: gather, file write, vLLM's load (side by side)")
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = _parser().parse_args()
 
     from megatron_grpo.models import build_from_hf
     from megatron_grpo.models.tiny import make_sized_model

@@ -14,12 +14,12 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
+from megatron_grpo.compat.megatron import FP8_TRAINING_FORMATS, FP8_TRAINING_RECIPES
 from megatron_grpo.config.batching import DynamicBatchingConfig, SequencePackingConfig
 from megatron_grpo.config.generation import GenerationConfig
 from megatron_grpo.config.logger import LoggerConfig, MLflowConfig, WandbConfig  # noqa: F401  (re-exported)
 from megatron_grpo.config.optim import DDPConfig, OptimizerConfig, SchedulerConfig
 from megatron_grpo.config.precision import DTYPES, PRECISIONS, Fp8Config, PrecisionConfig, to_dtype  # noqa: F401
-from megatron_grpo.compat.megatron import FP8_TRAINING_FORMATS, FP8_TRAINING_RECIPES
 from megatron_grpo.config.precision import check_vllm_fp8
 from megatron_grpo.loss import ADVANTAGE_ESTIMATORS
 from megatron_grpo.loss.config import LossConfig
@@ -86,7 +86,6 @@ class MegatronConfig:
                              f"got {self.moe_routing_replay!r}")
         if self.moe_aux_loss_coeff < 0 or self.moe_z_loss_coeff < 0:
             raise ValueError("policy.megatron_cfg.moe_aux_loss_coeff and moe_z_loss_coeff must be >= 0")
-
 
     def _check_fp8(self) -> None:
         key = "policy.megatron_cfg"

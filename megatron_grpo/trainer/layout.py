@@ -107,9 +107,9 @@ def check_machine(cfg: Config, cuda: Optional[bool] = None, capability: Optional
     cuda = torch.cuda.is_available() if cuda is None else cuda
     p, g, m = cfg.policy.precision, cfg.generation, cfg.policy.megatron_cfg
     if m.fp8 is not None and not (cuda and (te_usable() if te is None else te)):
+        why = "Transformer Engine is not usable" if cuda else "no CUDA"
         raise ValueError(f"policy.megatron_cfg.fp8={m.fp8}: FP8 training runs Transformer Engine's FP8 GEMMs, which "
-                         f"need CUDA and Transformer Engine (this machine: CUDA {'yes' if cuda else 'no'}, TE not "
-                         "usable); set policy.megatron_cfg.fp8=null")
+                         f"need CUDA and Transformer Engine (this machine: {why}); set policy.megatron_cfg.fp8=null")
     local_vllm = g.backend != "megatron" and not g.urls  # engines this run starts, on this machine's devices
     if p.generation_dtype == FP8 and local_vllm and not cuda:
         raise ValueError(
