@@ -25,8 +25,8 @@ def layout_of(cfg: Config, world_size: int) -> Layout:
 
 
 def resolve_model_dir(cfg: Config) -> str:
-    """``policy.model_name``, ``tiny:qwen3`` / ``tiny:qwen3-moe`` / ``tiny:llama``, or (null) the embedded
-    tiny Qwen3."""
+    """``policy.model_name``, ``tiny:<arch>`` (``make-tiny-model --arch``: ``tiny:qwen3``, ``tiny:mixtral``,
+    ...), or (null) the embedded tiny Qwen3."""
     name = cfg.policy.model_name
     path = default_model_dir(name.split(":", 1)[1]) if name and name.startswith("tiny:") else (name or default_model_dir())
     if not os.path.isfile(os.path.join(path, "config.json")):

@@ -23,6 +23,7 @@ import torch
 from megatron.core import parallel_state as ps
 
 from megatron_grpo.models.qwen3 import unwrap
+from megatron_grpo.models.weight_maps import model_tensors
 from megatron_grpo.models.weights import RankPlacement, _device, _export_order, _rename_expert, unshard
 from megatron_grpo.parallel import comm
 from megatron_grpo.rollout.parity import ParityError
@@ -33,6 +34,11 @@ from megatron_grpo.rollout.types import GeneratorError
 logger = logging.getLogger(__name__)
 
 Transform = Callable[[str, torch.Tensor], Optional[Tuple[str, torch.Tensor]]]
+
+NOT_PUSHED = ("mlp.router.expert_bias",)
+"""Megatron tensors a push leaves out: DeepSeek's ``e_score_correction_bias``, frozen in training (bias
+update rate 0, ``models/qwen3.py``) and fp32 in vLLM, so the generator keeps its checkpoint copy, which a
+push in the generator's dtype would round."""
 
 
 @dataclass
@@ -136,8 +142,10 @@ def _stage_items(model, shape, dtype: torch.dtype, delta: Optional[D.DeltaState]
     experts = shape.is_moe and leader in comm.group_ranks(ps.get_expert_tensor_and_model_parallel_group())
     if not (dense or experts):
         return
-    place, params = RankPlacement.current(model), dict(unwrap(model).named_parameters())
+    place, params = RankPlacement.current(model), model_tensors(model)
     for pm in _export_order(shape, place):
+        if pm.mcore_name.endswith(NOT_PUSHED):
+            continue
         # a copy only where the delta state keeps it as "last sent"; otherwise the cast (or, same dtype,
         # the live parameter: the push is synchronous and reads it before the next update)
         local = params[pm.mcore_name].detach().to(dtype=dtype, copy=delta is not None)
