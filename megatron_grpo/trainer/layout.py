@@ -34,6 +34,16 @@ def resolve_model_dir(cfg: Config) -> str:
     return path
 
 
+def check_model_options(cfg: Config, shape, runtime: bool = False) -> None:
+    """Options that depend on the model's family (``check_moe_options`` and the sliding window)."""
+    if shape.sliding_window and cfg.policy.sequence_packing.enabled:
+        raise ValueError(f"policy.sequence_packing.enabled=true with {cfg.policy.model_name or 'the model'}'s "
+                         f"sliding_window={shape.sliding_window}: Megatron's attention replaces the packed rows' "
+                         "block-diagonal mask by its sliding-window mask (sequences would attend across each "
+                         "other); set policy.sequence_packing.enabled=false (policy.dynamic_batching's padded rows work)")
+    check_moe_options(cfg, shape, runtime)
+
+
 def check_moe_options(cfg: Config, shape, runtime: bool = False) -> None:
     """MoE-only options against the model (and, at runtime, the machine)."""
     replay = cfg.policy.megatron_cfg.moe_routing_replay
@@ -60,7 +70,7 @@ def describe_layout(cfg: Config, world_size: int) -> Dict:
                     num_query_groups=shape.num_kv_heads if shape else None)
     plan = None
     if shape is not None:
-        check_moe_options(cfg, shape)
+        check_model_options(cfg, shape)
         check_engine_shape(cfg.generation, shape)
         plan = check_memory(cfg, shape, world_size)
     node = cfg.cluster.gpus_per_node
