@@ -28,6 +28,10 @@ import torch
 
 from megatron_grpo.compat.megatron import identity_op, mla_without_te
 
+LATENT_NORM_EPS = 1e-6
+"""The latent norms' epsilon: transformers' (and DeepSeek's own code's) ``q_a_layernorm`` / ``kv_a_layernorm``
+are ``DeepseekV3RMSNorm(rank)`` at its default 1e-6, whatever ``rms_norm_eps`` says (Moonlight: 1e-5)."""
+
 
 @functools.lru_cache(maxsize=None)
 def latent_core_attention(base: type) -> type:
@@ -46,14 +50,15 @@ def latent_core_attention(base: type) -> type:
 @functools.lru_cache(maxsize=None)
 def normed_column_linear(base: type) -> type:
     """``base`` (Megatron's ``ColumnParallelLinear``) with an RMSNorm of its input in front: input
-    ``[s(/tp), b, in]`` -> ``rms_norm(x) * layer_norm_weight`` -> the column-parallel projection."""
+    ``[s(/tp), b, in]`` -> ``rms_norm(x, eps=LATENT_NORM_EPS) * layer_norm_weight`` -> the column-parallel
+    projection."""
 
     def __init__(self, input_size, output_size, *args, config, **kwargs):
         base.__init__(self, input_size, output_size, *args, config=config, **kwargs)
         weight = torch.ones(input_size, dtype=config.params_dtype, device=self.weight.device)
         self.layer_norm_weight = torch.nn.Parameter(weight)
         self.layer_norm_weight.sequence_parallel = bool(config.sequence_parallel)
-        self.layer_norm_eps = config.layernorm_epsilon
+        self.layer_norm_eps = LATENT_NORM_EPS
 
     def forward(self, input_, *args, **kwargs):
         normed = torch.nn.functional.rms_norm(input_, (input_.shape[-1],), self.layer_norm_weight, self.layer_norm_eps)

