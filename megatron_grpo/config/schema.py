@@ -109,8 +109,9 @@ class PolicyConfig:
     """The trained model."""
 
     model_name: Optional[str] = None
-    """HF checkpoint dir (Qwen3 / Qwen3-MoE / Llama); ``tiny:qwen3`` / ``tiny:qwen3-moe`` / ``tiny:llama`` =
-    an embedded tiny model made on first use; null = ``tiny:qwen3``."""
+    """HF checkpoint dir (Qwen3 / Qwen3-MoE / Llama / Qwen2 / Mistral / Mixtral / DeepSeek-V3); ``tiny:<arch>``
+    (``tiny:qwen3``, ``tiny:qwen3-moe``, ``tiny:llama``, ``tiny:qwen2``, ``tiny:mistral``, ``tiny:mixtral``,
+    ``tiny:deepseek-v3``) = an embedded tiny model made on first use; null = ``tiny:qwen3``."""
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     """Trainer/generator precisions."""
     megatron_cfg: MegatronConfig = field(default_factory=MegatronConfig)

@@ -1,4 +1,4 @@
-"""Qwen3 / Qwen3-MoE / Llama on Megatron-Core: config mapping, builder, HF weights, tiny test models."""
+"""The supported model families (``families.py``) on Megatron-Core: config mapping, builder, HF weights."""
 
 from __future__ import annotations
 
@@ -25,7 +25,8 @@ def build_from_hf(model_dir: str, *, params_dtype: torch.dtype = torch.float32, 
                   backend: str = "auto", load_weights: bool = True, moe_aux_loss_coeff: float = 0.0,
                   moe_z_loss_coeff: float = 0.0, sequence_parallel: Optional[bool] = None,
                   fp8_training: Optional[Tuple[str, str]] = None):
-    """Builds this rank's Megatron ``GPTModel`` for an HF Qwen3 / Llama checkpoint dir (parallel state must be set).
+    """Builds this rank's Megatron ``GPTModel`` for an HF checkpoint dir of a supported family (parallel
+    state must be set).
 
     ``sequence_parallel``: ``policy.megatron_cfg.sequence_parallel`` (None = on when TP > 1); ``fp8_training``:
     (``policy.megatron_cfg.fp8``, ``fp8_recipe``) for Transformer Engine's FP8 training GEMMs, None = off.

@@ -31,7 +31,7 @@ from megatron_grpo.rollout.parity import ProbeBatch
 from megatron_grpo.rollout.pool import EnginePool, available_cpus, check_engine_shape, cpu_bindings, engine_placement
 from megatron_grpo.rollout.transfer.transport import resolve_transport
 from megatron_grpo.trainer.data import PromptSampler, load_prompts, load_tokenizer
-from megatron_grpo.trainer.layout import (check_machine, check_moe_options, fp8_engine_block, layout_of,
+from megatron_grpo.trainer.layout import (check_machine, check_model_options, fp8_engine_block, layout_of,
                                           resolve_model_dir)
 from megatron_grpo.trainer.optim import Optimizer, wrap_model
 from megatron_grpo.trainer.rewards import get_reward_fn
@@ -93,7 +93,7 @@ def build_context(cfg: Config) -> TrainContext:
     validate_layout(layout, num_layers=shape.num_layers, num_experts=shape.num_experts,
                     num_query_groups=shape.num_kv_heads)
     _check_batch(cfg, layout)
-    check_moe_options(cfg, shape, runtime=True)
+    check_model_options(cfg, shape, runtime=True)
     check_machine(cfg)
     check_engine_shape(cfg.generation, shape, fp8_engine_block(cfg))
     if layout.cp > 1:

@@ -29,13 +29,23 @@ def layout_of(cfg: Config, world_size: int) -> Layout:
 
 
 def resolve_model_dir(cfg: Config) -> str:
-    """``policy.model_name``, ``tiny:qwen3`` / ``tiny:qwen3-moe`` / ``tiny:llama``, or (null) the embedded
-    tiny Qwen3."""
+    """``policy.model_name``, ``tiny:<arch>`` (``make-tiny-model --arch``: ``tiny:qwen3``, ``tiny:mixtral``,
+    ...), or (null) the embedded tiny Qwen3."""
     name = cfg.policy.model_name
     path = default_model_dir(name.split(":", 1)[1]) if name and name.startswith("tiny:") else (name or default_model_dir())
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise FileNotFoundError(f"policy.model_name: {path} is not a Hugging Face checkpoint dir (no config.json)")
     return path
+
+
+def check_model_options(cfg: Config, shape, runtime: bool = False) -> None:
+    """Options that depend on the model's family (``check_moe_options`` and the sliding window)."""
+    if shape.sliding_window and cfg.policy.sequence_packing.enabled:
+        raise ValueError(f"policy.sequence_packing.enabled=true with {cfg.policy.model_name or 'the model'}'s "
+                         f"sliding_window={shape.sliding_window}: Megatron's attention replaces the packed rows' "
+                         "block-diagonal mask by its sliding-window mask (sequences would attend across each "
+                         "other); set policy.sequence_packing.enabled=false (policy.dynamic_batching's padded rows work)")
+    check_moe_options(cfg, shape, runtime)
 
 
 def check_moe_options(cfg: Config, shape, runtime: bool = False) -> None:
@@ -67,7 +77,7 @@ def describe_layout(cfg: Config, world_size: int) -> Dict:
         if fp8_engine_block(cfg) is not None:  # what a server started by hand must be given (vllm serve ...)
             recipe = cfg.policy.precision.fp8.recipe()
             engine_args, engine_env = server_args(hf_quantization_config(recipe, shape)), vllm_env(recipe)
-        check_moe_options(cfg, shape)
+        check_model_options(cfg, shape)
         check_engine_shape(cfg.generation, shape, fp8_engine_block(cfg))
         plan = check_memory(cfg, shape, world_size)
     node = cfg.cluster.gpus_per_node

@@ -89,32 +89,32 @@ class MemoryPlan:
         return out
 
 
-def _layer_params(shape: ModelShape, tp: int) -> Tuple[int, int]:
-    """(dense, expert-before-EP-split) parameters of one transformer layer at TP = ``tp``, ETP = 1."""
-    h, d = shape.hidden_size, shape.head_dim
-    qkv = h * (shape.num_heads + 2 * shape.num_kv_heads) * d // tp
-    proj = shape.num_heads * d * h // tp
-    qk_norms = 2 * d if shape.qk_norm else 0  # Qwen3's q / k norms (replicated over TP); Llama has none
-    dense = 2 * h + qk_norms + qkv + proj  # + input / pre-MLP norms
-    if not shape.is_moe:
+def _layer_params(shape: ModelShape, tp: int, moe: Optional[bool] = None) -> Tuple[int, int]:
+    """(dense, expert-before-EP-split) parameters of one transformer layer at TP = ``tp``, ETP = 1; ``moe``:
+    whether the layer holds experts (None: the model's, for models without dense layers among MoE ones)."""
+    split, replicated = shape.attention_params()
+    h, dense = shape.hidden_size, replicated + split // tp
+    if not (shape.is_moe if moe is None else moe):
         return dense + 3 * h * shape.ffn_hidden_size // tp, 0
-    return dense + shape.num_experts * h, 3 * h * shape.moe_ffn_hidden_size * shape.num_experts  # router
+    shared = 3 * h * shape.shared_expert_ffn_hidden_size // tp  # DeepSeek's shared experts: an MLP over TP
+    return dense + shape.num_experts * h + shared, 3 * h * shape.moe_ffn_hidden_size * shape.num_experts  # router
 
 
 def count_params(shape: ModelShape, *, tp: int = 1, pp: int = 1, ep: int = 1, etp: int = 1,
                  stage: int = 0) -> ParamCount:
-    """Parameters of pipeline ``stage`` on one rank (Megatron's GPTModel for Qwen3 / Qwen3-MoE / Llama)."""
+    """Parameters of pipeline ``stage`` on one rank (Megatron's GPTModel for every family of ``models/families.py``)."""
     num_layers_local = shape.num_layers // pp
-    dense, expert = _layer_params(shape, tp)
+    layers = [_layer_params(shape, tp, shape.is_moe_layer(i))
+              for i in range(stage * num_layers_local, (stage + 1) * num_layers_local)]
     embedding = shape.vocab_size * shape.hidden_size // tp
-    num_dense = num_layers_local * dense
+    num_dense = sum(dense for dense, _ in layers)
     if stage == 0:
         num_dense += embedding
     if stage == pp - 1:
         num_dense += shape.hidden_size  # final norm
         if not shape.tie_word_embeddings or pp > 1:  # a tied output layer on its own stage keeps a copy
             num_dense += embedding
-    return ParamCount(num_dense, num_layers_local * expert // (ep * etp))
+    return ParamCount(num_dense, sum(expert for _, expert in layers) // (ep * etp))
 
 
 def fused_optimizer_available() -> bool:
@@ -276,26 +276,30 @@ def _generator_term(cfg: Config, shape: ModelShape, budget_gib) -> Term:
                     "(weights + KV cache)")
     num_seqs = cfg.grpo.num_prompts_per_step * cfg.grpo.num_generations_per_prompt
     size = generation_itemsize(cfg)
-    kv = 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * g.max_model_len * num_seqs * size
+    kv = shape.kv_cache_elements_per_token() * g.max_model_len * num_seqs * size
     return Term("generator (colocated)", generator_weight_bytes(cfg, shape) + kv, keys + ("generation.max_model_len",),
-                f"estimate: weights + KV cache of {num_seqs} sequences x max_model_len={g.max_model_len}")
+                f"estimate: weights + KV cache of {num_seqs} sequences x max_model_len={g.max_model_len}"
+                + (" (MLA: the latent, kv_lora_rank + qk_rope_head_dim per token and layer)" if shape.is_mla else ""))
 
 
 def largest_hf_tensor(shape: ModelShape) -> int:
     """Elements of the largest full (unsharded) HF tensor: what a push gathers at once."""
-    d = shape.head_dim
-    return max(shape.vocab_size * shape.hidden_size, shape.num_heads * d * shape.hidden_size,
-               shape.ffn_hidden_size * shape.hidden_size if not shape.is_moe else 0,
-               shape.moe_ffn_hidden_size * shape.hidden_size)
+    h = shape.hidden_size
+    return max(shape.vocab_size * h, shape.largest_attention_tensor(),
+               shape.ffn_hidden_size * h if not shape.is_moe or shape.first_dense_layers else 0,
+               max(shape.moe_ffn_hidden_size, shape.shared_expert_ffn_hidden_size) * h)
 
 
 def layer_hf_elements(shape: ModelShape) -> int:
-    """Elements of one decoder layer's HF tensors (attention, norms, the MLP or all experts + router)."""
-    h, d = shape.hidden_size, shape.head_dim
-    attention = (2 * shape.num_heads + 2 * shape.num_kv_heads) * d * h + 2 * h + 2 * d
-    if shape.is_moe:
-        return attention + shape.num_experts * (3 * shape.moe_ffn_hidden_size * h + h)
-    return attention + 3 * shape.ffn_hidden_size * h
+    """Elements of the largest decoder layer's HF tensors (attention, norms, the MLP or all experts, the
+    shared experts, the router and its bias)."""
+    h, attention = shape.hidden_size, sum(shape.attention_params())
+    dense = attention + 3 * shape.ffn_hidden_size * h
+    if not shape.is_moe:
+        return dense
+    moe = (attention + shape.num_experts * (3 * shape.moe_ffn_hidden_size * h + h + shape.router_expert_bias)
+           + 3 * shape.shared_expert_ffn_hidden_size * h)
+    return max(moe, dense) if shape.first_dense_layers else moe
 
 
 PUSH_BUCKETS_IN_FLIGHT = 4

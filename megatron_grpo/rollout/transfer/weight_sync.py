@@ -26,6 +26,7 @@ from megatron.core import parallel_state as ps
 from megatron_grpo.models.fp8 import FP8_DTYPE, OUTPUT_DTYPE, Fp8Recipe, quantize_weight
 from megatron_grpo.models.fp8_hf import block_shape, fp8_param_names, scale_name
 from megatron_grpo.models.qwen3 import unwrap
+from megatron_grpo.models.weight_maps import model_tensors
 from megatron_grpo.models.weights import RankPlacement, _device, _export_order, _rename_expert, unshard
 from megatron_grpo.parallel import comm
 from megatron_grpo.rollout.parity import ParityError
@@ -36,6 +37,11 @@ from megatron_grpo.rollout.types import GeneratorError
 logger = logging.getLogger(__name__)
 
 Transform = Callable[[str, torch.Tensor], Optional[Tuple[str, torch.Tensor]]]
+
+NOT_PUSHED = ("mlp.router.expert_bias",)
+"""Megatron tensors a push leaves out: DeepSeek's ``e_score_correction_bias``, frozen in training (bias
+update rate 0, ``models/qwen3.py``) and fp32 in vLLM, so the generator keeps its checkpoint copy, which a
+push in the generator's dtype would round."""
 
 
 @dataclass
@@ -147,9 +153,11 @@ def _stage_items(model, shape, dtype: torch.dtype, delta: Optional[D.DeltaState]
     if not (dense or experts):
         return
     gpt = unwrap(model)
-    place, params = RankPlacement.current(model), dict(gpt.named_parameters())
+    place, params = RankPlacement.current(model), model_tensors(model)
     quantized = fp8_param_names(gpt, fp8) if fp8 is not None else set()
     for pm in _export_order(shape, place):
+        if pm.mcore_name.endswith(NOT_PUSHED):
+            continue
         if (pm.expert and not experts) or (not pm.expert and not dense) or (pm.kind == "rep" and me != leader):
             continue
         pieces = _pieces(pm, params[pm.mcore_name].detach(), dtype, fp8 if pm.mcore_name in quantized else None, shape)
