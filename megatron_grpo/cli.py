@@ -17,6 +17,9 @@ from megatron_grpo.observe import quiet
 from megatron_grpo.observe.doctor import doctor
 from megatron_grpo.observe.plots import build_report, make_figures
 
+TINY_ARCHS = ["qwen3", "qwen3-moe", "llama", "qwen2", "mistral", "mixtral", "deepseek-v3"]
+"""``make-tiny-model --arch`` (``models/tiny.py``'s ``TINY_SHAPES``, named here to keep ``--help`` light)."""
+
 
 def _make_tiny_model(args) -> int:
     from megatron_grpo.models.tiny import make_tiny_model
@@ -125,10 +128,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="HF folder whose config and tokenizer are copied (default: the one the run used)")
     export.set_defaults(func=_export_hf)
     _add_diagnostics(sub)
-    tiny = sub.add_parser("make-tiny-model", help="write a random-init tiny Qwen3(-MoE) / Llama HF checkpoint + "
+    tiny = sub.add_parser("make-tiny-model", help="write a random-init tiny HF checkpoint of a supported family + "
                                                   "tokenizer")
     tiny.add_argument("out_dir")
-    tiny.add_argument("--arch", choices=["qwen3", "qwen3-moe", "llama"], default="qwen3")
+    tiny.add_argument("--arch", choices=TINY_ARCHS, default="qwen3")
     tiny.add_argument("--seed", type=int, default=0)
     tiny.add_argument("--tie-word-embeddings", action=argparse.BooleanOptionalAction, default=None,
                       help="tied input / output embeddings (default: llama tied, qwen3 untied)")

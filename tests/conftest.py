@@ -56,3 +56,19 @@ def megatron_single():
 
     state.initialize_model_parallel(state.Layout(world_size=1))
     yield
+
+
+@pytest.fixture(scope="session")
+def tiny_family(tmp_path_factory):
+    """``tiny_family(arch)``: the tiny checkpoint of ``arch`` (``qwen2``, ``mistral``, ``mixtral``,
+    ``deepseek-v3``, ...: ``make-tiny-model --arch``), made once per session on first use."""
+    from megatron_grpo.models.tiny import make_tiny_model
+
+    root, made = tmp_path_factory.mktemp("families"), {}
+
+    def get(arch: str) -> str:
+        if arch not in made:
+            made[arch] = make_tiny_model(str(root / arch), arch)
+        return made[arch]
+
+    return get

@@ -150,8 +150,12 @@ def test_precision_defaults_are_matched_and_mismatch_warns(caplog):
 
 @pytest.mark.parametrize("recipe, world, expect", [
     ("grpo-qwen3-30b-a3b-2x8gpu.yaml", 16, {"tp": 2, "ep": 8, "dp": 8}),
+    ("grpo-qwen3-30b-a3b-fp8-2x8gpu.yaml", 16, {"tp": 4, "ep": 16, "dp": 4}),
     ("grpo-qwen3-235b-a22b-8x8gpu.yaml", 64, {"tp": 4, "pp": 2, "ep": 32, "dp": 8}),
     ("grpo-qwen3-0.6b-eos-B.yaml", 8, {"tp": 1, "dp": 8}),
+    ("grpo-qwen2.5-7b-instruct-1x8gpu.yaml", 8, {"tp": 2, "dp": 4}),
+    ("grpo-mixtral-8x7b-2x8gpu.yaml", 16, {"tp": 2, "ep": 8, "etp": 2, "dp": 8}),
+    ("grpo-moonlight-16b-a3b-2x8gpu.yaml", 16, {"tp": 2, "ep": 8, "dp": 8}),
 ])
 def test_cluster_recipes_dry_run(recipe, world, expect):
     out = subprocess.run([sys.executable, "-m", "megatron_grpo", "train", f"recipes/{recipe}", "--dry-run",

@@ -190,7 +190,7 @@ def test_uneven_stages_place_load_train_and_push_like_pp1(two_ranks, five_layers
             stage = results["five"][layout][4]
             s = stage["rank"]
             assert (stage["layers"], stage["offset"]) == (layers[s], offsets[s]), (layout, stage)
-            assert stage["params"] == count_params(shape, pp=2, stage=s, num_layers_local=layers[s]).num_local
+            assert stage["params"] == count_params(shape, pp=2, stage=s, stage_layers=layers).num_local
             assert set(stage["initial"]) == set(original)
             for key, tensor in original.items():
                 assert torch.equal(stage["initial"][key], tensor), (layout, key)
@@ -310,7 +310,7 @@ def test_dry_run_plans_the_94_layer_235b_over_uneven_stages(pp, ep, fields, laye
     expected = layers[stage] * (dense_layer + expert_layer) + (embedding if stage == 0 else embedding + h)
     params = next(t for t in memory["terms"] if t["name"] == "parameters")
     assert params["bytes"] == 4 * expected, (params["bytes"] / GIB, 4 * expected / GIB)
-    assert count_params(shape, tp=4, pp=pp, ep=ep, stage=stage, num_layers_local=layers[stage]).num_local == expected
+    assert count_params(shape, tp=4, pp=pp, ep=ep, stage=stage, stage_layers=layers).num_local == expected
 
 
 # ---- checkpoints at PP = 2 (4 ranks, one launch): resume, fully parallel load, PP = 2 -> 1, export ----------

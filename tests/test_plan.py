@@ -18,8 +18,12 @@ from megatron_grpo.config.recipe import load_recipe
 from tests._dist import run_distributed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CLUSTER = [("grpo-qwen3-30b-a3b-2x8gpu.yaml", 16), ("grpo-qwen3-235b-a22b-8x8gpu.yaml", 64)]
-REPLICATED_FITS = {"grpo-qwen3-30b-a3b-2x8gpu.yaml": False, "grpo-qwen3-235b-a22b-8x8gpu.yaml": True}
+CLUSTER = [("grpo-qwen3-30b-a3b-2x8gpu.yaml", 16), ("grpo-qwen3-235b-a22b-8x8gpu.yaml", 64),
+           ("grpo-qwen2.5-7b-instruct-1x8gpu.yaml", 8), ("grpo-mixtral-8x7b-2x8gpu.yaml", 16),
+           ("grpo-moonlight-16b-a3b-2x8gpu.yaml", 16)]
+REPLICATED_FITS = {"grpo-qwen3-30b-a3b-2x8gpu.yaml": False, "grpo-qwen3-235b-a22b-8x8gpu.yaml": True,
+                   "grpo-qwen2.5-7b-instruct-1x8gpu.yaml": False, "grpo-mixtral-8x7b-2x8gpu.yaml": False,
+                   "grpo-moonlight-16b-a3b-2x8gpu.yaml": True}
 
 SHAPE = ModelShape(model_type="qwen3_moe", vocab_size=1000, hidden_size=64, num_layers=4, num_heads=8, num_kv_heads=4,
                    head_dim=16, ffn_hidden_size=128, rms_norm_eps=1e-6, rope_theta=1e4, max_position_embeddings=512,
@@ -437,3 +441,28 @@ def test_delta_push_copy_is_counted_on_rank_0_by_hand():
     names = {t.name for t in plan(**{"policy.megatron_cfg.pipeline_model_parallel_size": 2}).terms}
     assert "delta push copy" not in names
     assert "delta push copy" not in {t.name for t in plan(**{"generation.delta_push": False}).terms}
+@pytest.mark.parametrize("arch", ["qwen2", "mistral", "mixtral", "deepseek-v3"])
+def test_family_param_counts_and_layer_sizes_equal_the_built_model(arch, tiny_family, megatron_single):
+    """Qwen2's q/k/v biases, Mixtral's experts, DeepSeek-V3's multi-latent attention, shared experts and
+    dense first layer: the plan's parameter count is the built model's (at TP=1 and, by hand, TP=2), its
+    largest layer and tensor are those of the HF checkpoint, and the generator's KV cache per token is
+    MLA's latent (kv_lora_rank + qk_rope_head_dim = 576 per layer), not 2 x heads x head_dim."""
+    from safetensors import safe_open
+
+    from megatron_grpo.trainer.plan import largest_hf_tensor, layer_hf_elements
+
+    model_dir = tiny_family(arch)
+    model, shape = _built(model_dir)
+    named = list(model.named_parameters())
+    count = count_params(shape)
+    assert count.num_local == sum(p.numel() for _, p in named)
+    assert count.num_expert_local == sum(p.numel() for n, p in named if ".experts." in n)
+    replicated = sum(p.numel() for n, p in named if "norm" in n or "router" in n or n.endswith("bias") and "qkv" not in n)
+    assert count_params(shape, tp=2).num_dense_local == (count.num_dense_local - replicated) // 2 + replicated
+    with safe_open(os.path.join(model_dir, "model.safetensors"), "pt") as f:
+        sizes = {k: math.prod(f.get_slice(k).get_shape()) for k in f.keys()}
+    layers = [sum(v for k, v in sizes.items() if k.startswith(f"model.layers.{i}.")) for i in range(shape.num_layers)]
+    assert layer_hf_elements(shape) == max(layers)
+    assert largest_hf_tensor(shape) == max(sizes.values())
+    per_layer = 576 if arch == "deepseek-v3" else 2 * shape.num_kv_heads * shape.head_dim
+    assert shape.kv_cache_elements_per_token() == shape.num_layers * per_layer

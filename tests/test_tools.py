@@ -147,8 +147,12 @@ def test_gpu_check_dry_run_trains_runs_a_and_b(tmp_path):
     for low in ("bf16", "fp16"):
         assert beta[f"err_vs_fp64_{low}_abs_mean"] > 50 * fp32_err
         assert beta[f"err_vs_fp64_{low}_abs_mean"] == pytest.approx(beta[f"beta_{low}_abs_mean"], abs=1e-5)
+    fp8 = phases["fp8"]["measurements"]  # our emulated FP8 GEMM vs torch._scaled_mm's on the same bytes
+    assert fp8["weight_block_size"] == [32, 32] and fp8["num_fp8_linears"] == 2 * 4 and fp8["gemm_equal_fraction"] > 0.5
+    assert 0 < fp8["lp_residual_abs_mean"] <= 2 * fp8["lp_fp32_noise_abs_mean"] < 2 * fp8["lp_fp8_gap_abs_mean"]
     notes = "\n".join(results["not_measured"])
     assert "vLLM generation" in notes and "Transformer Engine GEMMs" in notes and "dry run on CPU" in notes
+    assert "vLLM's FP8 kernels" in notes
     assert not any(n.startswith(f"{p} (") for n in results["not_measured"] for p in PHASES)  # every phase ran
 
 
@@ -271,7 +275,7 @@ def test_gpu_check_json_writer_and_phase_selection(tmp_path):
 
     assert gc.parse_phases("") == list(gc.PHASES)
     assert gc.parse_phases("beta, smoke") == ["preflight", "smoke", "beta"]
-    with pytest.raises(ValueError, match="unknown phase.*gamma.*valid: preflight,smoke,beta,A,shadow,fp16,B"):
+    with pytest.raises(ValueError, match="unknown phase.*gamma.*valid: preflight,smoke,beta,fp8,A,shadow,fp16,B"):
         gc.parse_phases("beta,gamma")
     env = dict(os.environ, GPU_CHECK_DRY="1", PYTHON=sys.executable, GPU_CHECK_PHASES="beta,gamma",
                GPU_CHECK_WORK=str(tmp_path / "work"))
@@ -386,3 +390,23 @@ def test_smollm2_ab_page_reads_complete_runs_and_pairs_seeds(tmp_path):
     assert smollm2_ab.verdict([0.5, -0.5, 0.0], a_gain=10).startswith("not reproduced")  # inside [-2, 2]
     assert smollm2_ab.verdict([1.0, 9.0, -3.0], a_gain=10).startswith("inconclusive (difference")
     assert smollm2_ab.verdict([4.0, 4.5, 5.0], a_gain=2).startswith("inconclusive (A's gain 2 < 5)")
+
+
+def test_bench_weight_sync_fp8_delta_side_by_side(tiny_dense, megatron_single):
+    """``bench_weight_sync.py --fp8-delta``: per lr, bf16 and fp8 generation push the same weights; every delta
+    push rebuilds the dense one bit for bit; fp8's dense push is its 1 B values + scales + bf16 rest, and one
+    AdamW step changes fewer e4m3 values than bf16 values (the coarser grid)."""
+    from bench_weight_sync import bench_fp8_delta
+
+    from megatron_grpo.models import build_from_hf
+    from megatron_grpo.models.fp8 import Fp8Recipe
+    from tests.test_fp8_push import reference_push
+
+    model, shape = build_from_hf(tiny_dense)
+    rows = bench_fp8_delta(model, shape, [1e-5], pushes=1, bucket_mb=0.25, block=32)
+    (lr, bf16, dense16, sent16, _, exact16, shares16), (_, fp8, dense8, sent8, _, exact8, shares8) = rows
+    assert (lr, bf16, fp8) == (1e-5, "bf16", "fp8") and exact16 and exact8
+    pushed = reference_push(tiny_dense, Fp8Recipe((32, 32), 32))
+    assert dense8 < dense16 and sent8 < dense8 and sent16 < dense16
+    assert dense8 == sum(t.numel() * t.element_size() for t in pushed.values())
+    assert shares16["e4m3"] is None and 0 < shares8["e4m3"] < shares16["bf16"] < 1 and 0 <= shares8["scales"] < 1

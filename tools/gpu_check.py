@@ -2,7 +2,7 @@
 
     python tools/gpu_check.py --out OUT [--dry] [--work DIR] [--budget SECONDS] [--phases a,b,...]
     python tools/gpu_check.py preflight --json PATH --work DIR --out DIR [--dry]      # the child processes
-    python tools/gpu_check.py beta --json PATH --model DIR [--seqs N] [--seq-len N]
+    python tools/gpu_check.py beta|fp8 --json PATH --model DIR [--seqs N] [--seq-len N] [--block N]
 
 Phases, in this order (``--phases`` picks a subset; ``preflight`` always runs first):
 
@@ -15,6 +15,11 @@ Phases, in this order (``--phases`` picks a subset; ``preflight`` always runs fi
 - ``beta``: the fp32-vs-bf16 and fp32-vs-fp16 log-prob gaps of the Qwen3-0.6B-shaped model by
   rarity bucket (the trainer's forward), plus each precision's own error against an fp64 forward
   of the same weights (|lp_fp32 - lp_fp64| ~1e-6, |lp_bf16 - lp_fp64| ~1e-2).
+- ``fp8``: the FP8 kernel residual (``megatron_grpo.models.fp8_kernels``): our emulated FP8 GEMM (the FP8 shadow's
+  and the megatron generator's) against a real FP8 GEMM on the same e4m3 bytes and scales (``torch._scaled_mm``,
+  block-scaled per 128-wide K slice as DeepGEMM / CUTLASS do) on every FP8 linear of the model (its captured bf16
+  inputs) and through its log-probs, beside the FP8 gap itself (emulated FP8 vs bf16); [128, 128] blocks
+  (32 in the dry run). The device has no vLLM: this is the kernels' share of a vLLM-vs-shadow gap.
 - ``A``, ``shadow``, ``fp16``, ``B``: ``python -m megatron_grpo train`` (the real loop, ``generation.backend=
   megatron``: the trainer's own model generates, no vLLM) with recipes/grpo-qwen3-0.6b-eos-A.yaml (bf16
   autocast trainer + bf16 generator: no shadow forward, beta = 0 exactly), the same with a forced fp16
@@ -53,12 +58,14 @@ import time
 from typing import Callable, Dict, List, Optional, Sequence
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
+for _path in (ROOT, os.path.dirname(os.path.abspath(__file__))):
+    if _path not in sys.path:
+        sys.path.insert(0, _path)
 from megatron_grpo.models.random_checkpoint import STOP_EVERY, write_random_qwen3  # noqa: E402
 from megatron_grpo.observe.machine import device_info, disk_info, import_probe, optional_probe  # noqa: E402
-from megatron_grpo.observe.phases import Child, PhaseFailed, PhaseSpec, fmt_value, run_phases  # noqa: E402
+from megatron_grpo.observe.phases import Child, PhaseFailed, PhaseSpec, run_phases  # noqa: E402
 from megatron_grpo.observe.phases import phase_line as _phase_line  # noqa: E402
+from gpu_check_report import fp8_errors, report_beta, report_fp8, report_run  # noqa: E402  (tools/ sibling)
 
 QWEN3_0_6B_CONFIG = os.path.join(ROOT, "recipes", "model_configs", "qwen3-0.6b", "config.json")
 DRY_SHAPE = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -66,7 +73,7 @@ DRY_SHAPE = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidd
                  bos_token_id=510)
 """The tiny model (smoke; every phase with --dry): the Qwen3-0.6B config with these keys replaced
 (~0.13M params: emulated bf16 on CPU is slow); heads x head_dim = 2 x hidden, as in Qwen3-0.6B."""
-PHASES = ("preflight", "smoke", "beta", "A", "shadow", "fp16", "B")
+PHASES = ("preflight", "smoke", "beta", "fp8", "A", "shadow", "fp16", "B")
 """fp16 (the only loss-scaling run) before B: the last phase is the first one skipped when time runs short."""
 RUNS = {"A": "recipes/grpo-qwen3-0.6b-eos-A.yaml", "shadow": "recipes/grpo-qwen3-0.6b-eos-A.yaml",
         "fp16": "recipes/grpo-qwen3-0.6b-eos-fp16.yaml", "B": "recipes/grpo-qwen3-0.6b-eos-B.yaml"}
@@ -81,20 +88,22 @@ BETA_POSITIVE_RUNS = ("shadow", "B")
 RUN_SIZE = {  # steps, prompts per step, generations per prompt, max new tokens; beta: sequences x length
     # gpu: the megatron engine draws each row's sampling noise on the host (vocab 151936 per row and
     # token), so generation dominates; 8 x 8 rollouts of <= 48 tokens keep A, B and fp16 inside the limit.
-    "gpu": dict(steps=4, prompts=8, generations=8, max_new_tokens=48, beta_seqs=16, beta_len=256),
-    "dry": dict(steps=2, prompts=2, generations=4, max_new_tokens=8, beta_seqs=4, beta_len=32),
+    "gpu": dict(steps=4, prompts=8, generations=8, max_new_tokens=48, beta_seqs=16, beta_len=256, fp8_block=128),
+    "dry": dict(steps=2, prompts=2, generations=4, max_new_tokens=8, beta_seqs=4, beta_len=32, fp8_block=32),
 }
 SMOKE_SIZE = dict(steps=1, prompts=2, generations=4, max_new_tokens=8)
 ESTIMATE_S = {
     # What a phase is expected to take: it is skipped when this does not fit the remaining budget. After
     # a training run, the later runs are estimated at least at its measured time.
-    "gpu": dict(preflight=20, smoke=45, beta=75, A=100, shadow=60, fp16=100, B=100),
-    "dry": dict(preflight=30, smoke=50, beta=50, A=65, shadow=65, fp16=75, B=65),  # a loaded 2-core CI machine
+    "gpu": dict(preflight=20, smoke=45, beta=75, fp8=45, A=100, shadow=60, fp16=100, B=100),
+    "dry": dict(preflight=30, smoke=50, beta=50, fp8=50, A=65, shadow=65, fp16=75, B=65),  # a loaded 2-core CI box
 }
 MEASURES = {
     "preflight": "versions, device, free disk, installed wheels, imports",
     "smoke": "one bf16 train step (forward, backward, optimizer) of a tiny model on the device",
     "beta": "fp32-vs-bf16/fp16 log-prob gaps and each precision's error vs fp64, by rarity bucket",
+    "fp8": "the FP8 kernel residual: our emulated FP8 GEMM vs a real one (torch._scaled_mm) per linear and in "
+           "log-probs, beside the FP8 gap",
     "A": "run A: bf16 trainer + bf16 generator (beta must be 0), phantom clipping, step times",
     "shadow": "run A with a forced fp16 shadow (fp32 params, bf16 compute): beta finite and > 0, step times",
     "fp16": "run fp16: fp16 trainer + fp16 generator (beta must be 0), loss scaling, step times",
@@ -170,14 +179,26 @@ def child_main(argv: List[str]) -> int:
         parser.add_argument("--model", required=True)
         parser.add_argument("--seqs", type=int, default=16)
         parser.add_argument("--seq-len", type=int, default=256)
+        parser.add_argument("--block", type=int, default=128, help="fp8: weight block side and activation group")
         args = parser.parse_args(argv[1:])
-        from megatron_grpo.loss.metrics import COMMON_LOGPROB, RARE_LOGPROB  # the child's own imports: megatron
-        from megatron_grpo.models.precision_gaps import measure_precision_gaps
-
-        result = measure_precision_gaps(args.model, args.seqs, args.seq_len, COMMON_LOGPROB, RARE_LOGPROB)
+        result = measure_child(argv[0], args)
     with open(args.json, "w") as f:
         json.dump(result, f, indent=1)
     return 0
+
+
+def measure_child(name: str, args) -> Dict:
+    """beta / fp8: the measurement itself, in the child (its imports: megatron.core)."""
+    if name == "fp8":
+        from megatron_grpo.models.fp8 import Fp8Recipe
+        from megatron_grpo.models.fp8_kernels import measure_fp8_kernel_residual
+
+        return measure_fp8_kernel_residual(args.model, args.seqs, args.seq_len,
+                                           Fp8Recipe((args.block, args.block), args.block))
+    from megatron_grpo.loss.metrics import COMMON_LOGPROB, RARE_LOGPROB
+    from megatron_grpo.models.precision_gaps import measure_precision_gaps
+
+    return measure_precision_gaps(args.model, args.seqs, args.seq_len, COMMON_LOGPROB, RARE_LOGPROB)
 
 
 # ---- the phases ----------------------------------------------------------------------------------------
@@ -242,6 +263,18 @@ def phase_beta(ctx: Context, timeout_s: float) -> Dict:
     if errors:
         raise PhaseFailed("; ".join(errors), beta)
     return beta
+
+
+def phase_fp8(ctx: Context, timeout_s: float) -> Dict:
+    path, block = os.path.join(ctx.work, "fp8.json"), str(ctx.size["fp8_block"])
+    ctx.child("fp8", ctx.measure("fp8", "--model", ctx.model_dir(tiny=False), "--json", path, "--block", block,
+                              "--seqs", str(ctx.size["beta_seqs"]), "--seq-len", str(ctx.size["beta_len"])), timeout_s)
+    with open(path) as f:
+        fp8 = json.load(f)
+    errors = fp8_errors(fp8)
+    if errors:
+        raise PhaseFailed("; ".join(errors), fp8)
+    return fp8
 
 
 def beta_errors(beta: Dict) -> List[str]:
@@ -368,41 +401,6 @@ def parse_phases(text: Optional[str]) -> List[str]:
 # ---- reporting -----------------------------------------------------------------------------------------
 
 
-def report_beta(beta: Dict) -> List[str]:
-    f = fmt_value
-    lines = [f"beta ({beta['tokens']} tokens; buckets by fp64 log-prob: common {beta['tokens_common']}, "
-             f"medium {beta['tokens_medium']}, rare {beta['tokens_rare']}):"]
-    for kind, names in (("beta", ("bf16", "fp16")), ("err_vs_fp64", ("fp32", "bf16", "fp16"))):
-        for name in names:
-            p = f"{kind}_{name}_abs_"
-            label = f"fp32 - {name}" if kind == "beta" else f"{name} - fp64"
-            lines.append(f"  |{label:>11}|: mean {f(beta[p + 'mean'])}  max {f(beta[p + 'max'])}  common "
-                         f"{f(beta[p + 'mean_common'])}  medium {f(beta[p + 'mean_medium'])}  rare "
-                         f"{f(beta[p + 'mean_rare'])}")
-    lines.append("  forward s (after warm-up): " + "  ".join(f"{d} {beta[f'forward_s_{d}']:.3f}"
-                                                            for d in ("fp32", "bf16", "fp16", "fp64")))
-    return lines
-
-
-def report_run(name: str, run: Dict) -> List[str]:
-    f = fmt_value
-    lines = [f"run {name} ({run['recipe']}, generation.backend=megatron): {run['steps_logged']} steps; step s "
-             f"mean after the first {f(run['step_s_mean_after_first'], '.2f')}",
-             "  step  |beta|mean  |beta|max  region  phantom_reg  legit_reg  zero_grad  phantom_zg  reward  "
-             "len  loss_scale  step_s  gen_s  train_s"]
-    for i in range(run["steps_logged"]):
-        v = {k: run[k][i] for k in METRICS}
-        lines.append(f"  {i + 1:>4}  {f(v['precision/beta_abs_mean'])}  {f(v['precision/beta_abs_max'])}  "
-                     f"{f(v['clip/region_fraction'], '.4f')}  {f(v['clip/phantom_region_fraction'], '.4f')}"
-                     f"       {f(v['clip/legit_region_fraction'], '.4f')}     "
-                     f"{f(v['clip/zero_grad_fraction'], '.4f')}     "
-                     f"{f(v['clip/phantom_zero_grad_fraction'], '.4f')}      {f(v['reward/mean'], '.2f')}  "
-                     f"{f(v['completion/length_mean'], '.1f')}  {f(v['train/loss_scale'], '.0f'):>10}  "
-                     f"{f(v['time/step_s'], '.2f')}  {f(v['timing/generate_s'], '.2f')}  "
-                     f"{f(v['timing/train_s'], '.2f')}")
-    return lines
-
-
 def report(results: Dict) -> str:
     pre = results["phases"]["preflight"].get("measurements") or {}
     lines = [f"== gpu_check ({results['mode']}) on {pre.get('device', '?')} (torch {pre.get('torch', '?')}, CUDA "
@@ -412,6 +410,8 @@ def report(results: Dict) -> str:
         m = rec.get("measurements") or {}
         if name == "beta" and "err_vs_fp64_fp32_abs_mean" in m:
             lines += report_beta(m)
+        elif name == "fp8" and "lp_residual_abs_mean" in m:
+            lines += report_fp8(m)
         elif name in ("smoke",) + tuple(RUNS) and m.get("steps_logged"):
             lines += report_run(name, m)
     lines += [phase_line(name, rec) for name, rec in results["phases"].items()]
@@ -435,6 +435,8 @@ def machine_notes(mode: str) -> Callable[[Dict], List[str]]:
             out.append("vLLM generation: vLLM is not installed on the device (runs use generation.backend=megatron)")
         else:
             out.append("vLLM generation: not exercised (runs use generation.backend=megatron)")
+        out.append("vLLM's FP8 kernels (DeepGEMM / CUTLASS block FP8): not on the device; the fp8 phase measures our "
+                   "emulated FP8 GEMM against torch._scaled_mm on the same bytes")
         if te is None or not te["usable"]:
             out.append(f"Transformer Engine GEMMs: {'unknown' if te is None else te['why']} (Megatron's local "
                        "spec with torch autocast)")
@@ -446,7 +448,7 @@ def machine_notes(mode: str) -> Callable[[Dict], List[str]]:
 
 
 def build_specs(ctx: Context) -> List[PhaseSpec]:
-    funcs = {"preflight": phase_preflight, "smoke": phase_smoke, "beta": phase_beta,
+    funcs = {"preflight": phase_preflight, "smoke": phase_smoke, "beta": phase_beta, "fp8": phase_fp8,
              **{name: phase_run(name) for name in RUNS}}
     return [PhaseSpec(name, functools.partial(funcs[name], ctx), ESTIMATE_S[ctx.mode][name], MEASURES[name],
                       group="run" if name in RUNS else "") for name in PHASES]
@@ -493,4 +495,4 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(child_main(sys.argv[1:]) if sys.argv[1:2] in (["preflight"], ["beta"]) else main())
+    sys.exit(child_main(sys.argv[1:]) if sys.argv[1:2] in (["preflight"], ["beta"], ["fp8"]) else main())

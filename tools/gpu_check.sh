@@ -3,7 +3,9 @@
 # safetensors / pyyaml preinstalled; no megatron-core, omegaconf, TE or vLLM). Named phases, in order
 # (tools/gpu_check.py): preflight (versions, device, disk, wheels, imports; fails fast), smoke (one
 # bf16 train step of a tiny model), beta (fp32-vs-bf16/fp16 log-prob gaps by rarity bucket, and each
-# precision's error vs an fp64 forward), A (bf16 trainer + bf16 generator: beta = 0), shadow (A with
+# precision's error vs an fp64 forward), fp8 (the FP8 kernel residual: our emulated FP8 GEMM vs
+# torch._scaled_mm's on the same bytes, per linear and in log-probs, beside the FP8 gap and the emulation's
+# own fp32 noise), A (bf16 trainer + bf16 generator: beta = 0), shadow (A with
 # a forced fp16 shadow forward: beta finite and > 0), fp16 (fp16 trainer + fp16 generator, loss
 # scaling: beta = 0) and B (fp32 trainer vs bf16 generator: beta > 0), each a real
 # `python -m megatron_grpo train` with generation.backend=megatron on a random-init Qwen3-0.6B-shaped
@@ -11,7 +13,7 @@
 #
 #   bash tools/fetch_gpu_wheels.sh                 # here, once (PyPI): fills ./wheels (~21 MB)
 #   bash tools/gpu_check.sh OUT_DIR                # there, with ./wheels carried; under 8 minutes
-#   GPU_CHECK_PHASES=preflight,smoke,beta bash tools/gpu_check.sh OUT_DIR   # a subset
+#   GPU_CHECK_PHASES=preflight,smoke,beta bash tools/gpu_check.sh OUT_DIR   # a subset (preflight,fp8: FP8 alone)
 #   GPU_CHECK_DRY=1 bash tools/gpu_check.sh OUT    # CPU, tiny model, 2 steps per run (CI)
 #
 # The device run carries the working tree plus ./wheels: 64 MiB at most in all (the tree is ~2 MB;

@@ -142,20 +142,25 @@ class DistCheckpointReader:
 
 
 def checkpoint_key(mcore_name: str, saved=()) -> Tuple[str, Tuple[int, ...]]:
-    """The checkpoint key and leading index of a (TP = EP = 1) Megatron parameter name:
-    layers are stacked on a leading axis, experts on a second one. ``saved``: the checkpoint's keys;
-    where it holds the key under the other layer spec's name only, that name."""
+    """The checkpoint key and leading index of a (TP = EP = 1) Megatron parameter name: layers are
+    stacked on a leading axis, experts on a second one; models with dense and MoE layers mixed
+    (DeepSeek's first dense layers) save each layer under its own key (``decoder.layers.<i>.``), experts
+    stacked. ``saved``: the checkpoint's keys; where it holds the key under the other layer spec's name
+    (or unrenamed: MLA's local layers have no renames, or per layer) only, that name."""
     if not mcore_name.startswith("decoder.layers."):
         return mcore_name, ()
     layer, rest = mcore_name[len("decoder.layers."):].split(".", 1)
+    expert: Tuple[int, ...] = ()
     if rest.startswith("mlp.experts.local_experts."):
-        expert, tail = rest[len("mlp.experts.local_experts."):].split(".", 1)
-        return f"decoder.layers.mlp.experts.experts.{tail}", (int(layer), int(expert))
-    key = f"decoder.layers.{_LAYER_RENAMES.get(rest, rest)}"
-    alias = NORM_KEY_ALIASES.get(key)
-    if alias is not None and key not in saved and alias in saved:
-        return alias, (int(layer),)
-    return key, (int(layer),)
+        number, tail = rest[len("mlp.experts.local_experts."):].split(".", 1)
+        rest, expert = f"mlp.experts.experts.{tail}", (int(number),)
+    renamed = _LAYER_RENAMES.get(rest, rest)
+    alias = NORM_KEY_ALIASES.get(f"decoder.layers.{renamed}", "")[len("decoder.layers."):]
+    for name in dict.fromkeys(n for n in (renamed, alias, rest) if n):
+        for key, index in ((f"decoder.layers.{name}", (int(layer), *expert)), (f"decoder.layers.{layer}.{name}", expert)):
+            if key in saved:
+                return key, index
+    return f"decoder.layers.{renamed}", (int(layer), *expert)
 
 
 def _units(shape) -> Iterator[Tuple[str, list]]:

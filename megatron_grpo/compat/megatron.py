@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import importlib.util
 import re
 from importlib.metadata import version as dist_version
 from typing import Callable, Iterator, List, Optional, Tuple
@@ -60,19 +61,53 @@ def define_missing_te_general_gemm() -> None:
             module.te_general_gemm = None
 
 
+def mla_without_te() -> None:
+    """0.16.1: ``transformer/multi_latent_attention.py`` sets its ``HAVE_TE = True`` when importing
+    ``megatron.core.extensions.transformer_engine`` succeeds, which it does without Transformer Engine
+    (its ``TELinear`` is then a ``MagicMock``, and ``MLASelfAttention.__init__``'s
+    ``isinstance(self.linear_proj, TELinear)`` raises ``TypeError``); sets it to the extension's own
+    ``HAVE_TE``. 0.19: the module takes ``HAVE_TE`` from the extension; a no-op there."""
+    extension = importlib.import_module("megatron.core.extensions.transformer_engine")
+    mla = importlib.import_module("megatron.core.transformer.multi_latent_attention")
+    if not extension.HAVE_TE:
+        mla.HAVE_TE = False
+
+
+def te_mla_adds_a_q_norm() -> bool:
+    """Whether Megatron's MLA with Transformer Engine and ``qk_layernorm`` fuses a norm into ``linear_q_proj``
+    when there is no q LoRA (a norm DeepSeek-V2-Lite / Moonlight do not have). 0.16.1: no (``linear_q_proj``
+    is a plain column-parallel linear). 0.19: yes (``transformer/mla_qk_norm_config.py`` resolves it to
+    ``TELayerNormColumnParallelLinear``)."""
+    return importlib.util.find_spec("megatron.core.transformer.mla_qk_norm_config") is not None
+
+
+def identity_op() -> type:
+    """Megatron's ``IdentityOp`` (a spec's "no module"). 0.16.1 builds MLA's ``q_layernorm`` even without a
+    q LoRA (never called); 0.19 refuses a non-identity one there (``mla_qk_norm_config.py``)."""
+    return importlib.import_module("megatron.core.transformer.identity_op").IdentityOp
+
+
 def gpt_layer_spec(use_te: bool, num_experts: Optional[int], qk_layernorm: bool = True,
-                   normalization: str = "RMSNorm"):
-    """The GPT decoder layer's ``ModuleSpec`` with Transformer Engine or local (torch) layers.
-    0.16.1: ``get_gpt_layer_{with_transformer_engine,local}_spec(...)`` build the spec themselves.
+                   normalization: str = "RMSNorm", multi_latent_attention: bool = False, block_config=None):
+    """The GPT decoder layer's ``ModuleSpec`` with Transformer Engine or local (torch) layers; with
+    ``block_config`` (a ``TransformerConfig``) the decoder block's ``TransformerBlockSubmodules`` instead:
+    this pipeline stage's layers, dense or MoE as ``config.moe_layer_freq`` says (a list: DeepSeek's first
+    dense layers), each built with the config's QK-layernorm and multi-latent attention.
+    0.16.1: ``get_gpt_layer_{with_transformer_engine,local}_spec(...)`` build the spec themselves;
+    ``get_gpt_decoder_block_spec(config, use_transformer_engine, normalization)`` the block's.
     0.19: the same names wrap the new ``get_gpt_layer_*_submodules`` helpers in a ``ModuleSpec``
     (same arguments); ``*_spec`` is kept for GPTModel, the ``*_submodules`` are what HybridModel's
-    stacks take (see docs/megatron-versions.md)."""
+    stacks take (see docs/megatron-versions.md); the block spec's signature is unchanged."""
     from megatron.core.models.gpt import gpt_layer_specs as specs
 
+    if block_config is not None:
+        return specs.get_gpt_decoder_block_spec(block_config, use_transformer_engine=use_te,
+                                                normalization=normalization)
     if use_te:
-        return specs.get_gpt_layer_with_transformer_engine_spec(num_experts=num_experts, qk_layernorm=qk_layernorm)
+        return specs.get_gpt_layer_with_transformer_engine_spec(num_experts=num_experts, qk_layernorm=qk_layernorm,
+                                                                multi_latent_attention=multi_latent_attention)
     return specs.get_gpt_layer_local_spec(num_experts=num_experts, qk_layernorm=qk_layernorm,
-                                          normalization=normalization)
+                                          normalization=normalization, multi_latent_attention=multi_latent_attention)
 
 
 def gpt_model(**kwargs):
@@ -219,6 +254,21 @@ def set_router_replay(router, hook) -> None:
     router.router_replay = hook
 
 
+def mask_padding_in_expert_counts(router) -> None:
+    """Makes ``TopKRouter._apply_expert_bias`` (the per-expert token count behind the expert-bias update)
+    take a padding mask. 0.16.1 and 0.19: it computes ``routing_map & ~padding_mask`` with ``routing_map``
+    ``[tokens, experts]`` and the flattened mask ``[tokens]`` (a ``RuntimeError`` unless the two sizes
+    happen to agree); the mask is broadcast over the experts here, the rest as Megatron's."""
+    def apply_expert_bias(routing_map, padding_mask=None):
+        if router.enable_expert_bias and torch.is_grad_enabled():
+            with torch.no_grad():
+                if padding_mask is not None:
+                    routing_map = routing_map & ~padding_mask.reshape(-1, 1)
+                router.local_tokens_per_expert += routing_map.sum(dim=0)
+
+    router._apply_expert_bias = apply_expert_bias
+
+
 def static_inference_context(max_batch_size: int, max_sequence_length: int):
     """Megatron's KV-cache context for a fixed batch. 0.16.1 and 0.19:
     ``StaticInferenceContext(max_batch_size, max_sequence_length)`` (0.19 builds its
@@ -261,3 +311,20 @@ def moe_aux_loss_token_multiplier(num_local_tokens: int, tp_cp_size: int) -> int
     if version() < (0, 19, 0):
         return num_local_tokens
     return num_local_tokens * tp_cp_size
+
+
+FP8_TRAINING_FORMATS = ("e4m3", "hybrid")
+FP8_TRAINING_RECIPES = ("blockwise", "tensorwise", "delayed")
+"""``policy.megatron_cfg.fp8`` / ``fp8_recipe`` choices: ``TransformerConfig.fp8`` is ``Literal['e4m3', 'hybrid']``
+and ``fp8_recipe`` ``Literal['tensorwise', 'delayed', 'mxfp8', 'blockwise', 'custom']`` in 0.16.1 and 0.19.2
+(mxfp8 is Blackwell-only, custom needs a quantizer factory: not offered)."""
+
+
+def fp8_training_fields(fp8: str, recipe: str) -> dict:
+    """The ``TransformerConfig`` fields of FP8 training through Transformer Engine: ``fp8`` (the format, Megatron's
+    ``--fp8-format``) and ``fp8_recipe`` (``--fp8-recipe``). Same names and values in 0.16.1 and 0.19.2; with
+    them set, Megatron-Core's ``TransformerBlock`` runs every layer under TE's ``fp8_autocast``
+    (``fp8_utils.get_fp8_context``: per layer for blockwise / tensorwise, around the block for delayed).
+    Without TE that context is a no-op, which is why a run refuses them there (``trainer/layout.check_machine``)."""
+    assert fp8 in FP8_TRAINING_FORMATS and recipe in FP8_TRAINING_RECIPES, (fp8, recipe)
+    return {"fp8": fp8, "fp8_recipe": recipe}

@@ -145,3 +145,23 @@ class PrecisionConfig:
     def uses_fp8(self) -> bool:
         """The generator or the shadow runs FP8 linears."""
         return FP8 in (self.generation_dtype, self.shadow_dtype)
+
+
+def check_vllm_fp8(p: PrecisionConfig, backend: str) -> None:
+    """``generation_dtype: fp8`` on vLLM (``backend`` vllm / vllm_server): the recipe must be what vLLM 0.32's
+    block FP8 computes. It quantizes activations per token in groups of ``weight_block_size[0]`` and its GEMMs
+    take them per block column, so blocks are square and the activation group is their side; it rounds
+    activation scales to powers of two only on its DeepGEMM UE8M0 path, which also re-quantizes the weights to
+    power-of-two scales (``models/fp8_hf.vllm_env``)."""
+    if p.generation_dtype != FP8 or backend == "megatron":
+        return
+    f, key = p.fp8, "policy.precision.fp8"
+    if not f.activation_block_size == f.weight_block_size[0] == f.weight_block_size[1]:
+        raise ValueError(f"{key}.activation_block_size={f.activation_block_size} with weight_block_size="
+                         f"{f.weight_block_size} and generation.backend={backend}: vLLM's block FP8 quantizes "
+                         f"activations in groups of weight_block_size[0] and multiplies them per block column; use "
+                         f"square blocks and activation_block_size equal to their side (e.g. [128, 128] and 128)")
+    if f.use_activation_pow2_scale and not f.use_weight_pow2_scale:
+        raise ValueError(f"{key}.use_activation_pow2_scale=true needs {key}.use_weight_pow2_scale=true with "
+                         f"generation.backend={backend}: vLLM rounds activation scales to powers of two only on its "
+                         "DeepGEMM UE8M0 path, which re-quantizes the weights to power-of-two scales too")

@@ -12,13 +12,15 @@ import dataclasses
 import logging
 import typing
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
+from megatron_grpo.compat.megatron import FP8_TRAINING_FORMATS, FP8_TRAINING_RECIPES
 from megatron_grpo.config.batching import DynamicBatchingConfig, SequencePackingConfig
 from megatron_grpo.config.generation import GenerationConfig
 from megatron_grpo.config.logger import LoggerConfig, MLflowConfig, WandbConfig  # noqa: F401  (re-exported)
 from megatron_grpo.config.optim import DDPConfig, OptimizerConfig, SchedulerConfig
 from megatron_grpo.config.precision import DTYPES, PRECISIONS, Fp8Config, PrecisionConfig, to_dtype  # noqa: F401
+from megatron_grpo.config.precision import check_vllm_fp8
 from megatron_grpo.loss import ADVANTAGE_ESTIMATORS
 from megatron_grpo.loss.config import LossConfig
 from megatron_grpo.parallel.stages import PipelineSplit, check_split
@@ -55,6 +57,17 @@ class MegatronConfig:
     TP > 1 needs it (false is then an error); no effect at TP = 1."""
     transformer_impl: str = "auto"
     """auto (Transformer Engine with CUDA+TE, else local), te, or local."""
+    fp8: Optional[str] = None
+    """FP8 training GEMMs through Transformer Engine (GPU, ``transformer_impl: te``): e4m3 (every FP8 tensor
+    e4m3) or hybrid (e4m3 forward, e5m2 gradients); null = off. Megatron-Core's ``TransformerConfig.fp8``
+    (``--fp8-format``). Every forward of the trainer's model then runs TE's FP8 GEMMs (Megatron-Core enters TE's
+    ``fp8_autocast`` in its transformer block), the shadow and the parity probe's trainer side included, so
+    ``policy.precision.shadow_dtype`` must equal ``compute_dtype`` (no separate shadow precision). Refused on
+    CPU or without TE. Not the FP8 rollouts (``policy.precision.generation_dtype: fp8``)."""
+    fp8_recipe: str = "blockwise"
+    """With ``fp8``: how TE scales the FP8 tensors (``TransformerConfig.fp8_recipe``, ``--fp8-recipe``):
+    blockwise (1 x 128 activation groups, 128 x 128 weight blocks: the rollouts' format; Hopper, TE >= 2.3),
+    tensorwise (per-tensor current scaling) or delayed (per-tensor scales from an amax history)."""
     moe_router_dtype: str = "fp32"
     """MoE router-gate precision in the trainer's forward: fp32 or fp64 (autocast does not lower it)."""
     moe_aux_loss_coeff: float = 0.0
@@ -82,11 +95,28 @@ class MegatronConfig:
             raise ValueError(f"policy.megatron_cfg.transformer_impl must be auto, te or local, got {self.transformer_impl!r}")
         if self.moe_router_dtype not in ("fp32", "fp64"):
             raise ValueError(f"policy.megatron_cfg.moe_router_dtype must be fp32 or fp64, got {self.moe_router_dtype!r}")
+        self._check_fp8()
         if self.moe_routing_replay not in ("none", "R2", "R3"):
             raise ValueError(f"policy.megatron_cfg.moe_routing_replay must be none, R2 or R3, "
                              f"got {self.moe_routing_replay!r}")
         if self.moe_aux_loss_coeff < 0 or self.moe_z_loss_coeff < 0:
             raise ValueError("policy.megatron_cfg.moe_aux_loss_coeff and moe_z_loss_coeff must be >= 0")
+
+    def _check_fp8(self) -> None:
+        key = "policy.megatron_cfg"
+        if self.fp8 is not None and self.fp8 not in FP8_TRAINING_FORMATS:
+            raise ValueError(f"{key}.fp8 must be null, {' or '.join(FP8_TRAINING_FORMATS)}, got {self.fp8!r}")
+        if self.fp8_recipe not in FP8_TRAINING_RECIPES:
+            raise ValueError(f"{key}.fp8_recipe must be one of {', '.join(FP8_TRAINING_RECIPES)}, got "
+                             f"{self.fp8_recipe!r}")
+        if self.fp8 is not None and self.transformer_impl != "te":
+            raise ValueError(f"{key}.fp8={self.fp8} runs Transformer Engine's FP8 GEMMs: set {key}.transformer_impl=te "
+                             f"(got {self.transformer_impl})")
+
+    @property
+    def fp8_training(self) -> Optional[Tuple[str, str]]:
+        """(format, recipe) of FP8 training, None when off (``models.transformer_config``)."""
+        return None if self.fp8 is None else (self.fp8, self.fp8_recipe)
 
     @property
     def pipeline_split(self) -> PipelineSplit:
@@ -100,8 +130,9 @@ class PolicyConfig:
     """The trained model."""
 
     model_name: Optional[str] = None
-    """HF checkpoint dir (Qwen3 / Qwen3-MoE / Llama); ``tiny:qwen3`` / ``tiny:qwen3-moe`` / ``tiny:llama`` =
-    an embedded tiny model made on first use; null = ``tiny:qwen3``."""
+    """HF checkpoint dir (Qwen3 / Qwen3-MoE / Llama / Qwen2 / Mistral / Mixtral / DeepSeek-V3); ``tiny:<arch>``
+    (``tiny:qwen3``, ``tiny:qwen3-moe``, ``tiny:llama``, ``tiny:qwen2``, ``tiny:mistral``, ``tiny:mixtral``,
+    ``tiny:deepseek-v3``) = an embedded tiny model made on first use; null = ``tiny:qwen3``."""
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     """Trainer/generator precisions."""
     megatron_cfg: MegatronConfig = field(default_factory=MegatronConfig)
@@ -311,6 +342,12 @@ class Config:
                 "policy.precision.compute_dtype=%s differs from generation_dtype=%s with loss_fn.ratio=train: "
                 "phantom clipping is expected. Fixes: match the precisions (compute_dtype=%s, or float16 for both), "
                 "or loss_fn.ratio=shadow.", p.compute_dtype, p.generation_dtype, p.generation_dtype)
+        check_vllm_fp8(p, self.generation.backend)
+        if m.fp8 is not None and p.needs_shadow:
+            raise ValueError(f"policy.megatron_cfg.fp8={m.fp8} with policy.precision.shadow_dtype={p.shadow_dtype} != "
+                             f"compute_dtype={p.compute_dtype}: every forward of the trainer's model runs TE's FP8 "
+                             "GEMMs, so no shadow runs in another precision; set policy.precision.shadow_dtype="
+                             f"{p.compute_dtype} (the ratio and beta are then the FP8 trainer's own)")
         if self.generation.backend == "megatron" and m.pipeline_model_parallel_size > 1:
             raise ValueError("generation.backend=megatron needs policy.megatron_cfg.pipeline_model_parallel_size=1 "
                              f"(got {m.pipeline_model_parallel_size}): its KV-cached decode runs the whole model on "
@@ -342,6 +379,8 @@ MOVED_KEYS = {
                         "optimizer, min_lr, use_distributed_optimizer)",
     "cluster.assume_distributed_optimizer": "policy.megatron_cfg.optimizer.use_distributed_optimizer (the plan "
                                             "now counts what the run will really use)",
+    "generation.vllm_cfg": "policy.precision.generation_dtype (NeMo-RL's generation.vllm_cfg.precision: fp8 is "
+                           "policy.precision.generation_dtype: fp8 here, settings under policy.precision.fp8)",
 }
 """Keys that moved: an old recipe gets an error naming the new place."""
 

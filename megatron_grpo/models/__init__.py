@@ -1,8 +1,8 @@
-"""Qwen3 / Qwen3-MoE / Llama on Megatron-Core: config mapping, builder, HF weights, tiny test models."""
+"""The supported model families (``families.py``) on Megatron-Core: config mapping, builder, HF weights."""
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 
@@ -25,10 +25,12 @@ from megatron_grpo.parallel.stages import PipelineSplit
 def build_from_hf(model_dir: str, *, params_dtype: torch.dtype = torch.float32, router_dtype: str = "fp32",
                   backend: str = "auto", load_weights: bool = True, moe_aux_loss_coeff: float = 0.0,
                   moe_z_loss_coeff: float = 0.0, sequence_parallel: Optional[bool] = None,
-                  pipeline_split: Optional[PipelineSplit] = None):
-    """Builds this rank's Megatron ``GPTModel`` for an HF Qwen3 / Llama checkpoint dir (parallel state must be set).
+                  fp8_training: Optional[Tuple[str, str]] = None, pipeline_split: Optional[PipelineSplit] = None):
+    """Builds this rank's Megatron ``GPTModel`` for an HF checkpoint dir of a supported family (parallel
+    state must be set).
 
-    ``sequence_parallel``: ``policy.megatron_cfg.sequence_parallel`` (None = on when TP > 1);
+    ``sequence_parallel``: ``policy.megatron_cfg.sequence_parallel`` (None = on when TP > 1); ``fp8_training``:
+    (``policy.megatron_cfg.fp8``, ``fp8_recipe``) for Transformer Engine's FP8 training GEMMs, None = off;
     ``pipeline_split``: how the layers split over the pipeline stages (None: evenly).
     Returns ``(model, shape)``; the model holds the checkpoint's weights unless ``load_weights=False``.
     """
@@ -42,7 +44,8 @@ def build_from_hf(model_dir: str, *, params_dtype: torch.dtype = torch.float32, 
         shape, params_dtype=params_dtype, tp=tp, pp=ps.get_pipeline_model_parallel_world_size(),
         ep=ps.get_expert_model_parallel_world_size(), etp=ps.get_expert_tensor_parallel_world_size(),
         router_dtype=router_dtype, moe_aux_loss_coeff=moe_aux_loss_coeff, moe_z_loss_coeff=moe_z_loss_coeff,
-        sequence_parallel=resolve_sequence_parallel(sequence_parallel, tp, shape), pipeline_split=pipeline_split,
+        sequence_parallel=resolve_sequence_parallel(sequence_parallel, tp, shape), fp8_training=fp8_training,
+        pipeline_split=pipeline_split,
     )
     model = build_gpt_model(shape, config, backend=backend)
     if load_weights:

@@ -1,104 +1,26 @@
-"""Qwen3 / Qwen3-MoE / Llama Hugging Face configs -> Megatron-Core ``GPTModel``.
+"""HF configs of the supported families (``models/families.py``: Qwen3 / Qwen3-MoE / Llama / Qwen2 /
+Mistral / Mixtral / DeepSeek-V3) -> Megatron-Core ``GPTModel``.
 
 Llama (``LlamaForCausalLM``: SmolLM2, Llama 2/3 without rope scaling) is Qwen3 without QK-norm:
 ``ModelShape.qk_norm`` is the one switch; GQA, tied or untied embeddings, rope theta and RMSNorm eps
-come from the config as for Qwen3."""
+come from the config as for Qwen3. The other families switch on Megatron's own options: QKV bias,
+sliding window, MoE layer pattern, shared experts, router score function / expert bias / groups, and
+multi-latent attention (``MLATransformerConfig`` with Megatron's ``MLASelfAttention``)."""
 
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
-import os
-from dataclasses import dataclass
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 
-from megatron_grpo.compat.megatron import gpt_model
+from megatron_grpo.compat.megatron import fp8_training_fields, gpt_model, mask_padding_in_expert_counts
+from megatron_grpo.models.families import SUPPORTED_MODEL_TYPES, ModelShape, load_hf_config, shape_from_hf
 from megatron_grpo.models.spec import model_spec
 from megatron_grpo.parallel.stages import PipelineSplit
 
 logger = logging.getLogger(__name__)
-
-SUPPORTED_MODEL_TYPES = ("qwen3", "qwen3_moe", "llama")
-
-
-@dataclass
-class ModelShape:
-    """The subset of a Qwen3 / Llama HF config the builder and the weight maps need."""
-
-    model_type: str
-    vocab_size: int
-    hidden_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    ffn_hidden_size: int
-    rms_norm_eps: float
-    rope_theta: float
-    max_position_embeddings: int
-    tie_word_embeddings: bool
-    num_experts: int = 0
-    moe_topk: int = 0
-    moe_ffn_hidden_size: int = 0
-    norm_topk_prob: bool = True
-    qk_norm: bool = True
-    """RMSNorm on each head's queries and keys (Qwen3: ``q_norm`` / ``k_norm``); Llama has none."""
-
-    @property
-    def is_moe(self) -> bool:
-        return self.num_experts > 0
-
-
-def load_hf_config(model_dir: str) -> Dict[str, Any]:
-    """Reads ``config.json`` of an HF checkpoint dir; clear error when missing."""
-    path = os.path.join(model_dir, "config.json")
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"policy.model_name: no HF config at {path}")
-    with open(path) as f:
-        return json.load(f)
-
-
-def shape_from_hf(cfg: Dict[str, Any]) -> ModelShape:
-    """Extracts a ``ModelShape`` from an HF config dict (Qwen3, Qwen3-MoE or Llama)."""
-    model_type = cfg.get("model_type")
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(f"model_type {model_type!r} not supported; expected one of {SUPPORTED_MODEL_TYPES}")
-    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-    _check_supported(cfg, model_type, rope)
-    shape = ModelShape(
-        model_type=model_type, vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
-        num_layers=cfg["num_hidden_layers"], num_heads=cfg["num_attention_heads"],
-        num_kv_heads=cfg.get("num_key_value_heads") or cfg["num_attention_heads"],
-        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"],
-        ffn_hidden_size=cfg["intermediate_size"], rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-        rope_theta=float(cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0),
-        max_position_embeddings=cfg.get("max_position_embeddings", 4096),
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)), qk_norm=model_type != "llama",
-    )
-    if model_type == "qwen3_moe":
-        if cfg.get("mlp_only_layers") or cfg.get("decoder_sparse_step", 1) != 1:
-            raise ValueError("qwen3_moe with mlp_only_layers / decoder_sparse_step != 1 is not supported")
-        shape.num_experts = cfg.get("num_experts") or cfg["num_local_experts"]
-        shape.moe_topk = cfg["num_experts_per_tok"]
-        shape.moe_ffn_hidden_size = cfg["moe_intermediate_size"]
-        shape.norm_topk_prob = bool(cfg.get("norm_topk_prob", True))
-    return shape
-
-
-def _check_supported(cfg: Dict[str, Any], model_type: str, rope: Dict[str, Any]) -> None:
-    """What the builder does not map is refused by name (a silently different model otherwise)."""
-    rope_type = rope.get("rope_type") or rope.get("type")
-    unsupported = {"rope scaling " + repr(rope_type): rope_type not in (None, "default"),
-                   "attention_bias": bool(cfg.get("attention_bias")), "mlp_bias": bool(cfg.get("mlp_bias")),
-                   "hidden_act " + repr(cfg.get("hidden_act")): cfg.get("hidden_act", "silu") != "silu"}
-    found = [name for name, bad in unsupported.items() if bad]
-    if found:
-        raise ValueError(f"model_type {model_type!r} with {', '.join(found)} is not supported (only plain rope, "
-                         f"no linear biases, SiLU)")
-
 
 SEQUENCE_PARALLEL_KEY = "policy.megatron_cfg.sequence_parallel"
 
@@ -129,37 +51,75 @@ def sequence_multiple(config) -> int:
 def transformer_config(shape: ModelShape, *, params_dtype: torch.dtype = torch.float32, tp: int = 1, pp: int = 1,
                        ep: int = 1, etp: int = 1, router_dtype: str = "fp32", moe_aux_loss_coeff: float = 0.0,
                        moe_z_loss_coeff: float = 0.0, sequence_parallel: bool = False,
-                       pipeline_split: Optional[PipelineSplit] = None):
-    """A Megatron ``TransformerConfig`` equivalent to the HF Qwen3 / Llama architecture; ``pipeline_split``:
-    the layers' split over the ``pp`` stages (None: even)."""
-    from megatron.core.transformer.transformer_config import TransformerConfig
+                       fp8_training: Optional[Tuple[str, str]] = None, pipeline_split: Optional[PipelineSplit] = None):
+    """A Megatron ``TransformerConfig`` (``MLATransformerConfig`` for multi-latent attention) equivalent to
+    the HF architecture ``shape`` describes. ``fp8_training``: (format, recipe) of Transformer Engine's FP8
+    training GEMMs (``policy.megatron_cfg.fp8`` / ``fp8_recipe``); ``pipeline_split``: the layers' split over
+    the ``pp`` stages (None: even)."""
+    from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
-    moe: Dict[str, Any] = {}
-    if shape.is_moe:
-        moe = dict(
-            num_moe_experts=shape.num_experts, moe_router_topk=shape.moe_topk,
-            moe_ffn_hidden_size=shape.moe_ffn_hidden_size,
-            # softmax over all experts then top-k; renormalised top-k == softmax over the top-k logits
-            moe_router_pre_softmax=not shape.norm_topk_prob, moe_router_score_function="softmax",
-            moe_router_dtype=router_dtype, moe_token_dispatcher_type="allgather",
-            moe_router_load_balancing_type="aux_loss" if moe_aux_loss_coeff > 0 else "none",
-            moe_aux_loss_coeff=moe_aux_loss_coeff, moe_z_loss_coeff=moe_z_loss_coeff or None,
-            moe_grouped_gemm=False,
-        )
-    return TransformerConfig(
+    moe = _moe_options(shape, router_dtype, moe_aux_loss_coeff, moe_z_loss_coeff) if shape.is_moe else {}
+    config_cls = MLATransformerConfig if shape.is_mla else TransformerConfig
+    return config_cls(
         num_layers=shape.num_layers, hidden_size=shape.hidden_size, num_attention_heads=shape.num_heads,
-        num_query_groups=shape.num_kv_heads, kv_channels=shape.head_dim, ffn_hidden_size=shape.ffn_hidden_size,
+        num_query_groups=shape.num_kv_heads, kv_channels=shape.v_head_dim if shape.is_mla else shape.head_dim,
+        ffn_hidden_size=shape.ffn_hidden_size,
         normalization="RMSNorm", layernorm_epsilon=shape.rms_norm_eps, gated_linear_unit=True,
-        activation_func=torch.nn.functional.silu, add_bias_linear=False, add_qkv_bias=False,
+        activation_func=torch.nn.functional.silu, add_bias_linear=False, add_qkv_bias=shape.qkv_bias,
         qk_layernorm=shape.qk_norm, hidden_dropout=0.0, attention_dropout=0.0, bias_activation_fusion=False, bias_dropout_fusion=False,
         masked_softmax_fusion=False, persist_layer_norm=False, apply_rope_fusion=False,
         gradient_accumulation_fusion=False, use_cpu_initialization=not torch.cuda.is_available(),
         params_dtype=params_dtype, bf16=params_dtype == torch.bfloat16, fp16=params_dtype == torch.float16,
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep,
         expert_tensor_parallel_size=etp, sequence_parallel=sequence_parallel,
-        calculate_per_token_loss=True, init_method_std=0.02, pipeline_dtype=params_dtype if pp > 1 else None, **moe,
+        calculate_per_token_loss=True, init_method_std=0.02, pipeline_dtype=params_dtype if pp > 1 else None,
+        **_window_options(shape), **_mla_options(shape), **moe,
+        **(fp8_training_fields(*fp8_training) if fp8_training else {}),
         **(pipeline_split or PipelineSplit()).config_kwargs(pp),
     )
+
+
+def _moe_options(shape: ModelShape, router_dtype: str, aux_loss_coeff: float, z_loss_coeff: float) -> Dict[str, Any]:
+    """The router and experts: softmax (Qwen3-MoE, Mixtral) or sigmoid with an expert bias and groups
+    (DeepSeek-V3), shared experts, the first dense layers. The expert bias stays the checkpoint's
+    (update rate 0: the generator routes with the pushed bias, and RL fine-tuning keeps the base model's
+    balance, as NeMo-RL's default)."""
+    return dict(
+        num_moe_experts=shape.num_experts, moe_router_topk=shape.moe_topk,
+        moe_ffn_hidden_size=shape.moe_ffn_hidden_size,
+        # softmax over all experts then top-k; renormalised top-k == softmax over the top-k logits
+        moe_router_pre_softmax=shape.router_score_function == "softmax" and not shape.norm_topk_prob,
+        moe_router_score_function=shape.router_score_function,
+        moe_router_enable_expert_bias=shape.router_expert_bias, moe_router_bias_update_rate=0.0,
+        moe_router_num_groups=shape.router_num_groups or None, moe_router_group_topk=shape.router_group_topk or None,
+        moe_router_topk_scaling_factor=shape.router_scaling_factor if shape.router_scaling_factor != 1.0 else None,
+        moe_shared_expert_intermediate_size=shape.shared_expert_ffn_hidden_size or None,
+        moe_layer_freq=[int(shape.is_moe_layer(i)) for i in range(shape.num_layers)] if shape.first_dense_layers else 1,
+        moe_router_dtype=router_dtype, moe_token_dispatcher_type="allgather",
+        moe_router_load_balancing_type="aux_loss" if aux_loss_coeff > 0 else "none",
+        moe_aux_loss_coeff=aux_loss_coeff, moe_z_loss_coeff=z_loss_coeff or None, moe_grouped_gemm=False,
+    )
+
+
+def _window_options(shape: ModelShape) -> Dict[str, Any]:
+    """HF's sliding window of ``w`` keys (the query's own included) is Megatron's ``window_size=(w - 1, 0)``,
+    on the layers ``window_attn_skip_freq`` marks (a per-layer list; None = every layer)."""
+    if not shape.sliding_window:
+        return {}
+    layers = [int(w) for w in shape.window_layers] if shape.window_layers else None
+    return dict(window_size=(shape.sliding_window - 1, 0), window_attn_skip_freq=layers)
+
+
+def _mla_options(shape: ModelShape) -> Dict[str, Any]:
+    """Multi-latent attention: latent ranks, the no-rope and rope parts of a query / key head, the value
+    head, and the rope (Megatron's MLA builds its own rotary embedding from these, not GPTModel's)."""
+    if not shape.is_mla:
+        return {}
+    yarn = dict(shape.yarn)
+    rope = dict(rope_type="yarn", rotary_scaling_factor=yarn.pop("factor"), **yarn) if yarn else dict(rope_type="rope")
+    return dict(q_lora_rank=shape.q_lora_rank or None, kv_lora_rank=shape.kv_lora_rank,
+                qk_head_dim=shape.qk_nope_head_dim, qk_pos_emb_head_dim=shape.qk_rope_head_dim,
+                v_head_dim=shape.v_head_dim, rotary_base=shape.rope_theta, **rope)
 
 
 def build_gpt_model(shape: ModelShape, config, *, backend: str = "auto"):
@@ -179,6 +139,8 @@ def build_gpt_model(shape: ModelShape, config, *, backend: str = "auto"):
     for name, param in model.named_parameters():
         if ".experts." in name:  # Megatron marks them only when EP > 1; ETP shards need it too
             param.allreduce = False  # DDP: reduce over expert-DP; optimizer and grad norm: expert params
+    for router in (m for m in model.modules() if getattr(m, "enable_expert_bias", False)):
+        mask_padding_in_expert_counts(router)
     if config.bf16 or config.fp16:
         model = Float16Module(config, model)
     return model
@@ -215,3 +177,7 @@ def unwrap(model):
     while hasattr(model, "module"):
         model = model.module
     return model
+
+
+__all__ = ["SUPPORTED_MODEL_TYPES", "ModelShape", "build_gpt_model", "load_hf_config", "resolve_sequence_parallel",
+           "sequence_multiple", "sequence_parallel_disabled", "shape_from_hf", "transformer_config", "unwrap"]

@@ -13,7 +13,8 @@ from typing import Sequence
 
 import torch
 
-from megatron_grpo.compat.megatron import gpt_layer_spec
+from megatron_grpo.compat.megatron import gpt_layer_spec, te_mla_adds_a_q_norm
+from megatron_grpo.models.latent import LATENT_NORM_EPS, adapt_local_latent
 from megatron_grpo.models.norm import SequenceParallelRMSNorm
 
 logger = logging.getLogger(__name__)
@@ -33,35 +34,38 @@ def te_usable() -> bool:
 
 
 def layer_spec(num_experts: int | None, backend: str = "auto", sequence_parallel: bool = False,
-               qk_layernorm: bool = True):
+               qk_layernorm: bool = True, multi_latent_attention: bool = False):
     """The GPT layer spec for Qwen3 (RMSNorm, QK-norm, SwiGLU, optional MoE) or, without
-    ``qk_layernorm``, Llama.
+    ``qk_layernorm``, Llama; with ``multi_latent_attention`` Megatron's ``MLASelfAttention`` (DeepSeek).
 
     ``backend``: ``auto`` (TE if usable), ``te`` (error if not usable) or ``local``. With
     ``sequence_parallel`` the local spec's norms are ``SequenceParallelRMSNorm`` (Megatron's
     ``WrappedTorchNorm`` refuses SP); TE's norms support SP as they are.
     """
+    use_te = _use_te(backend)
+    spec = gpt_layer_spec(use_te=use_te, num_experts=num_experts or None, qk_layernorm=qk_layernorm,
+                          multi_latent_attention=multi_latent_attention)
+    if sequence_parallel and not use_te:
+        _use_sequence_parallel_norms(spec, qk_layernorm, multi_latent_attention)
+    return spec, "te" if use_te else "local"
+
+
+def _use_te(backend: str) -> bool:
     if backend not in ("auto", "te", "local"):
         raise ValueError(f"policy.megatron_cfg.transformer_impl must be auto, te or local, got {backend!r}")
     use_te = te_usable() if backend == "auto" else backend == "te"
     if use_te and not te_usable():
         raise ValueError("policy.megatron_cfg.transformer_impl='te' but Transformer Engine with CUDA is not usable here")
-    experts = num_experts or None
-    if use_te:
-        logger.info("layer spec: Transformer Engine (TE GEMMs)")
-        return gpt_layer_spec(use_te=True, num_experts=experts, qk_layernorm=qk_layernorm), "te"
-    logger.info("layer spec: Megatron-Core local (torch layers)")
-    spec = gpt_layer_spec(use_te=False, num_experts=experts, qk_layernorm=qk_layernorm)
-    if sequence_parallel:
-        _use_sequence_parallel_norms(spec, qk_layernorm)
-    return spec, "local"
+    logger.info("layer spec: %s", "Transformer Engine (TE GEMMs)" if use_te else "Megatron-Core local (torch layers)")
+    return use_te
 
 
-def _use_sequence_parallel_norms(spec, qk_layernorm: bool) -> None:
-    """The local layer spec's norms (input, pre-MLP, QK when present) -> ``SequenceParallelRMSNorm``."""
+def _use_sequence_parallel_norms(spec, qk_layernorm: bool, mla: bool = False) -> None:
+    """The local layer spec's norms (input, pre-MLP, QK when present) -> ``SequenceParallelRMSNorm``
+    (MLA's latent norms are fused into its up projections: ``models/latent.py``)."""
     layer = spec.submodules
     layer.input_layernorm = layer.pre_mlp_layernorm = SequenceParallelRMSNorm
-    if qk_layernorm:
+    if qk_layernorm and not mla:
         attention = layer.self_attention.submodules
         attention.q_layernorm = attention.k_layernorm = SequenceParallelRMSNorm
 
@@ -69,15 +73,52 @@ def _use_sequence_parallel_norms(spec, qk_layernorm: bool) -> None:
 def model_spec(config, num_experts: int | None, backend: str = "auto"):
     """What ``GPTModel`` takes as ``transformer_layer_spec``, and the backend chosen: the layer spec,
     or with local layers and sequence parallelism the block's submodules, whose final norm is then
-    ``SequenceParallelRMSNorm`` too (for a bare layer spec Megatron picks ``WrappedTorchNorm``)."""
-    spec, chosen = layer_spec(num_experts, backend, sequence_parallel=config.sequence_parallel,
-                               qk_layernorm=config.qk_layernorm)
-    if chosen != "local" or not config.sequence_parallel:
+    ``SequenceParallelRMSNorm`` too (for a bare layer spec Megatron picks ``WrappedTorchNorm``). With
+    dense and MoE layers mixed (``config.moe_layer_freq`` a list) Megatron's decoder block spec."""
+    mla = bool(getattr(config, "multi_latent_attention", False))
+    backend = _latent_backend(config, backend) if mla else backend
+    if isinstance(config.moe_layer_freq, list):
+        use_te = _use_te(backend)
+        spec = gpt_layer_spec(use_te=use_te, num_experts=num_experts, block_config=config)
+        layers, chosen = list({id(s): s for s in spec.layer_specs}.values()), "te" if use_te else "local"
+        if not use_te and config.sequence_parallel:
+            for layer in layers:
+                _use_sequence_parallel_norms(layer, config.qk_layernorm, mla)
+            spec.layer_norm = SequenceParallelRMSNorm
+    else:
+        spec, chosen = layer_spec(num_experts, backend, sequence_parallel=config.sequence_parallel,
+                                  qk_layernorm=config.qk_layernorm, multi_latent_attention=mla)
+        layers = [spec]
+    if mla and chosen == "local":
+        for layer in layers:
+            adapt_local_latent(layer, config)
+    if chosen != "local" or not config.sequence_parallel or isinstance(config.moe_layer_freq, list):
         return spec, chosen
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
     layers = [spec] * get_num_layers_to_build(config)
     return TransformerBlockSubmodules(layer_specs=layers, layer_norm=SequenceParallelRMSNorm), chosen
+
+
+def _latent_backend(config, backend: str) -> str:
+    """Where Transformer Engine's MLA would compute another model than HF's: without a q LoRA on a Megatron
+    whose TE MLA adds a q norm the checkpoint lacks, or with ``rms_norm_eps`` != the latent norms' 1e-6 (TE's
+    fused latent norms take the model's epsilon): local layers (``auto``) or a refusal (``te``)."""
+    q_norm = not config.q_lora_rank and te_mla_adds_a_q_norm()
+    eps = config.layernorm_epsilon != LATENT_NORM_EPS
+    if not (q_norm or eps) or not _use_te_quietly(backend):
+        return backend
+    why = ("puts a norm in front of q_proj when the model has no q LoRA (q_lora_rank null)" if q_norm else
+           f"normalises the q / kv latents with rms_norm_eps={config.layernorm_epsilon}, HF with {LATENT_NORM_EPS}")
+    if backend == "te":
+        raise ValueError(f"policy.megatron_cfg.transformer_impl=te: this megatron-core's MLA with Transformer Engine "
+                         f"{why}: another model than the checkpoint's; use transformer_impl=local (or auto)")
+    logger.info("MLA: Megatron's local layers (Transformer Engine's MLA %s)", why)
+    return "local"
+
+
+def _use_te_quietly(backend: str) -> bool:
+    return backend == "te" or (backend == "auto" and te_usable())
 
 
 def resolve_backend(backend: str, compute_dtype: torch.dtype) -> str:

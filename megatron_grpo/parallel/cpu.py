@@ -5,7 +5,7 @@ no-op when CUDA is available. The spots (see ../shared/ENVIRONMENT.md):
 
 - ``torch.cuda.current_device()`` used as a ``device=`` argument (~40 call sites)
   -> returns ``"cpu"``; ``torch.cuda.synchronize`` / ``Stream`` / ``Event`` -> no-ops;
-- the default causal mask built with ``device="cuda"`` -> a CPU copy of the function;
+- the default causal and sliding-window masks built with ``device="cuda"`` -> CPU copies of the functions;
 - the CUDA RNG-states tracker -> ``CPURNGStatesTracker`` (same interface, CPU
   generator states, one independent stream per name so TP ranks get distinct dropout);
 - ``custom_fwd/custom_bwd(device_type="cuda")`` around the TP linear autograd
@@ -110,6 +110,8 @@ def _patch_megatron() -> None:
 
     fused_softmax.get_default_causal_mask = _cpu_causal_mask
     transformer_utils.get_default_causal_mask = _cpu_causal_mask
+    fused_softmax.get_sliding_window_causal_mask = _cpu_sliding_window_mask
+    transformer_utils.get_sliding_window_causal_mask = _cpu_sliding_window_mask
     _rewrap_autocast(layers)
     from megatron.core.optimizer import grad_scaler
 
@@ -206,6 +208,14 @@ def _scaler_load_state_dict(self, state_dict) -> None:
 def _cpu_causal_mask(sq: int) -> torch.Tensor:
     """``[sq, sq]`` bool, True above the diagonal (masked), as Megatron's but on CPU."""
     return torch.triu(torch.ones(sq, sq, dtype=torch.bool), diagonal=1)
+
+
+def _cpu_sliding_window_mask(sq: int, skv: int, window_size) -> torch.Tensor:
+    """``[sq, skv]`` bool, True where a query may not see a key under ``window_size = (left, right)``
+    (Mistral's sliding window), as Megatron's ``get_sliding_window_causal_mask`` but on CPU."""
+    visible = torch.ones(sq, skv, dtype=torch.bool)
+    visible = torch.tril(torch.triu(visible, diagonal=skv - sq - window_size[0]), diagonal=skv - sq + window_size[1])
+    return ~visible
 
 
 def _rewrap_autocast(layers_module) -> None:

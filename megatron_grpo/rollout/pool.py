@@ -135,12 +135,29 @@ def format_placement(g, world_size: int, local_world_size: Optional[int] = None)
     return "\n".join(lines)
 
 
-def check_engine_shape(g, shape) -> None:
-    """vLLM splits attention heads over its TP workers: ``ValueError`` naming the key when they do not divide."""
+def check_engine_shape(g, shape, fp8_block: Optional[Sequence[int]] = None) -> None:
+    """vLLM splits attention heads over its TP workers: ``ValueError`` naming the key when they do not divide.
+    FP8 engines (``fp8_block``: ``policy.precision.fp8.weight_block_size``): every linear's TP partition must
+    hold whole blocks (vLLM's ``validate_fp8_block_shape`` refuses the engine otherwise; its MoE experts adapt
+    their blocks to the partition themselves)."""
     tp = g.tensor_parallel_size
     if shape.num_heads % tp:
         raise ValueError(f"generation.tensor_parallel_size={tp} does not divide the model's {shape.num_heads} "
                          "attention heads (vLLM shards heads over its TP workers)")
+    if fp8_block is None:
+        return
+    (bn, bk), d = fp8_block, shape.head_dim
+    sizes = {"q_proj rows": shape.num_heads * d // tp, "k_proj / v_proj rows": max(shape.num_kv_heads // tp, 1) * d,
+             "o_proj columns": shape.num_heads * d // tp}
+    if not shape.is_moe:
+        sizes.update({"gate_proj / up_proj rows": shape.ffn_hidden_size // tp,
+                      "down_proj columns": shape.ffn_hidden_size // tp})
+    for what, size in sizes.items():
+        block = bk if what.endswith("columns") else bn
+        if size % block:
+            raise ValueError(f"policy.precision.fp8.weight_block_size={list(fp8_block)}: vLLM's FP8 engine at "
+                             f"generation.tensor_parallel_size={tp} holds {size} {what} per worker, not a multiple "
+                             f"of {block} (vLLM refuses the engine); change the block or the engine's TP")
 
 
 def cpu_bindings(num_engines: int, tp: int, cpus: Sequence[int]) -> List[Optional[str]]:

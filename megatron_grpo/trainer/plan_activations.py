@@ -189,18 +189,24 @@ def logit_terms(cfg: Config, shape: ModelShape) -> List[Term]:
 
 
 def moe_terms(cfg: Config, shape: ModelShape, dp: int, stage: int = 0) -> List[Term]:
-    """MoE on top of the dense activation estimate: each micro-batch's tokens dispatched to top-k experts
-    (the expert input, fc1's gate+up output and the activation, in the compute dtype, expert-TP splitting
-    the FFN) and the router's fp32 logits and probabilities; and the routing records of the step (laid out
-    like the padded batch, whatever the micro-batches)."""
+    """MoE on top of the dense activation estimate, per MoE layer of pipeline ``stage`` (DeepSeek's first
+    layers are dense): each micro-batch's tokens dispatched to top-k experts (the expert input, fc1's gate+up
+    output and the activation, in the compute dtype, expert-TP splitting the FFN), the shared experts' fc1
+    output and activation for every token (TP splitting them), and the router's fp32 logits and
+    probabilities; and the routing records of the step (laid out like the padded batch, whatever the
+    micro-batches)."""
     m, p = cfg.policy.megatron_cfg, cfg.policy.precision
     mb = micro_batch(cfg, shape)
-    size, layers = DTYPES[p.compute_dtype].itemsize, stage_layers(cfg, shape)[stage]
+    layers_per_stage = stage_layers(cfg, shape)
+    first = sum(layers_per_stage[:stage])
+    size = DTYPES[p.compute_dtype].itemsize
+    layers = sum(shape.is_moe_layer(i) for i in range(first, first + layers_per_stage[stage]))  # this stage's MoE layers
     f = shape.moe_ffn_hidden_size / m.expert_tensor_parallel_size
     tp = m.tensor_model_parallel_size
     sp = resolve_sequence_parallel(m.sequence_parallel, tp, shape)
     routed = mb.num_tokens / tp if sp else mb.num_tokens  # with SP each TP rank routes its shard of the sequence
     per_layer = routed * (shape.moe_topk * (shape.hidden_size + 3 * f) * size + 2 * shape.num_experts * 4)
+    per_layer += mb.num_tokens * 3 * shape.shared_expert_ffn_hidden_size / tp * size  # shared experts, all tokens
     dense_mlp = mb.num_tokens * shape.hidden_size * (KORTHIKANTI_MLP_REPLICATED / (tp if sp else 1)
                                                      + KORTHIKANTI_MLP_SHARDED / tp) * size / 2
     per_layer = max(0.0, per_layer - dense_mlp)  # the dense estimate's MLP, which a MoE layer does not have
@@ -209,8 +215,10 @@ def moe_terms(cfg: Config, shape: ModelShape, dp: int, stage: int = 0) -> List[T
     route = rows * cfg.generation.max_model_len * layers * shape.moe_topk * ROUTE_BYTES
     return [
         Term("MoE dispatch activations", per_layer * layers * num_micro_batches_in_flight(cfg, dp, 0),
-             mb.keys + (MC + "expert_tensor_parallel_size",), f"estimate: top-{shape.moe_topk} dispatched tokens x "
-             "(h + 3 x moe_ffn/etp) + fp32 router logits/probs, in place of the dense estimate's MLP"),
+             mb.keys + (MC + "expert_tensor_parallel_size",), f"estimate: {layers} MoE layer(s), top-{shape.moe_topk} "
+             "dispatched tokens x (h + 3 x moe_ffn/etp) + fp32 router logits/probs"
+             + (" + the shared experts' 3 x ffn/tp" if shape.shared_expert_ffn_hidden_size else "")
+             + ", in place of the dense estimate's MLP"),
         Term("routing records", num_routes * route, (MC + "moe_routing_replay", "generation.max_model_len"),
              f"{num_routes} int16 [rows, s, layers, top-k] records (shadow, used, natural"
              + (", R3's generator routes)" if m.moe_routing_replay == "R3" else ")")),

@@ -19,6 +19,8 @@ import torch
 import torch.multiprocessing as mp
 
 from megatron_grpo import faults
+from megatron_grpo.models.fp8 import FP8_DTYPE
+from megatron_grpo.models.fp8_hf import engine_keeps_bytes
 from megatron_grpo.rollout.engines import vllm_worker
 from megatron_grpo.rollout.transfer.fanout import UNKNOWN_VERSION, fan_out
 from megatron_grpo.rollout.transfer.transport import DELTA_TRANSPORTS, VLLMTransfer, digesting
@@ -26,7 +28,19 @@ from megatron_grpo.rollout.types import GeneratorError, Rollout, RolloutEngine, 
 
 logger = logging.getLogger(__name__)
 
-DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16",
+               FP8_DTYPE: "bfloat16"}
+"""vLLM's ``dtype`` per generation precision: fp8 (the precision token) runs bf16 around its FP8 GEMMs."""
+
+
+def fp8_engine_options(quantization: Optional[dict]) -> dict:
+    """``LLM`` / server options of an FP8 engine: vLLM's block FP8 (``quantization: fp8``, the pushed weights'
+    ``quantization_config`` as ``hf_overrides``: ``models/fp8_hf.py``) with placeholder weights at start
+    (``load_format: dummy``: the checkpoint on disk is not FP8; the trainer pushes its bytes before the first
+    rollout); {} otherwise."""
+    if quantization is None:
+        return {}
+    return {"quantization": "fp8", "hf_overrides": {"quantization_config": quantization}, "load_format": "dummy"}
 
 
 class VLLMEngine(RolloutEngine):
@@ -37,22 +51,27 @@ class VLLMEngine(RolloutEngine):
                  request_timeout_s: float = 600.0, is_moe: bool = False,
                  return_routed_experts: bool = False, tensor_parallel_size: int = 1,
                  cpu_bind: Optional[str] = None, devices: Optional[List[int]] = None, sleep_mode: bool = False,
-                 weight_transfer: str = "file", transfer_address: Optional[str] = None):
+                 weight_transfer: str = "file", transfer_address: Optional[str] = None,
+                 quantization: Optional[dict] = None):
         """``weight_transfer``: ``file`` (bucket files, same host) or a vLLM weight-transfer backend
         (``transport.py``: the ``LLM`` RL API; ``transfer_address`` = where its workers reach this
         process, default loopback); ``cpu_bind``: vLLM's ``VLLM_CPU_OMP_THREADS_BIND`` for this
         engine (one core list per TP worker, ``|``-separated; None = vLLM's automatic binding, which
         refuses TP > 1 on one NUMA node); ``devices``: the GPUs it runs on (None = inherited);
-        ``sleep_mode``: GPU only, enables ``sleep``/``wake_up``."""
-        if dtype not in DTYPE_NAMES:
-            raise ValueError(f"generation dtype must be one of {list(DTYPE_NAMES.values())}, got {dtype}")
+        ``sleep_mode``: GPU only, enables ``sleep``/``wake_up``; ``quantization``: fp8 generation, the
+        ``quantization_config`` of the pushed FP8 weights (``fp8_engine_options``)."""
+        if dtype not in DTYPE_NAMES or (dtype == FP8_DTYPE) != (quantization is not None):
+            raise ValueError(f"generation dtype must be one of float32, bfloat16, float16 or fp8 (with its "
+                             f"quantization_config), got {dtype}")
         self.dtype = dtype
         self.is_moe = is_moe
         self.request_timeout_s = request_timeout_s
         self.options = dict(model=model_dir, dtype=DTYPE_NAMES[dtype], max_model_len=max_model_len, seed=seed,
                             gpu_memory_utilization=gpu_memory_utilization, kv_cache_gib=kv_cache_gib,
                             return_routed_experts=return_routed_experts, tensor_parallel_size=tensor_parallel_size,
-                            cpu_bind=cpu_bind, devices=devices, sleep_mode=sleep_mode, weight_transfer=weight_transfer)
+                            cpu_bind=cpu_bind, devices=devices, sleep_mode=sleep_mode, weight_transfer=weight_transfer,
+                            fp8=fp8_engine_options(quantization))
+        self.quantization = quantization
         self.weight_transfer, self.pushed_digests, self._transfer = weight_transfer, {}, None
         self._start(start_timeout_s)
         if weight_transfer != "file":
@@ -141,12 +160,18 @@ class VLLMEngine(RolloutEngine):
             return fan_out(buckets, [self], version)
         self.pushed_digests = {}
         try:
-            names = self._transfer.push(digesting(buckets, self.pushed_digests), version)
+            names = self._transfer.push(digesting(buckets, self.pushed_digests, self.digest_filter), version)
         except BaseException:
             self.policy_version = UNKNOWN_VERSION  # some buckets may have loaded: no version holds
             raise
         self.policy_version = version
         return names
+
+    @property
+    def digest_filter(self):
+        """The pushed tensors whose digests vLLM's ``/weight_checker`` can match (all but FP8 scales, ...)."""
+        q = self.quantization
+        return None if q is None else (lambda name, tensor: engine_keeps_bytes(name, tensor, q))
 
     @property
     def accepts_delta_push(self) -> bool:

@@ -37,7 +37,8 @@ import torch
 
 from megatron_grpo import faults
 from megatron_grpo.compat.vllm import json_safe_update_payload
-from megatron_grpo.rollout.engines.vllm_engine import DTYPE_NAMES
+from megatron_grpo.models.fp8_hf import engine_keeps_bytes
+from megatron_grpo.rollout.engines.vllm_engine import DTYPE_NAMES, fp8_engine_options
 from megatron_grpo.rollout.transfer.fanout import UNKNOWN_VERSION, fan_out
 from megatron_grpo.rollout.transfer.transport import DELTA_TRANSPORTS, VLLMTransfer, default_address, digesting
 from megatron_grpo.rollout.types import GeneratorError, Rollout, RolloutEngine, Rollouts, Sampling
@@ -86,6 +87,16 @@ class ServerWeightSyncClient:
         self.engine._post("/update_weight_version", dict(new_version=new_version))
 
 
+def server_args(quantization: Optional[dict]) -> List[str]:
+    """``vllm serve`` arguments of an FP8 engine (``vllm_engine.fp8_engine_options``): what this engine launches
+    with, and what a server started elsewhere (``generation.server_urls``) needs for ``generation_dtype: fp8``."""
+    options = fp8_engine_options(quantization)
+    if not options:
+        return []
+    return ["--quantization", options["quantization"], "--hf-overrides", json.dumps(options["hf_overrides"]),
+            "--load-format", options["load_format"]]
+
+
 class VLLMServerEngine(RolloutEngine):
     """Client of a vLLM OpenAI-compatible server (launched here unless ``url`` is given)."""
 
@@ -95,14 +106,17 @@ class VLLMServerEngine(RolloutEngine):
                  is_moe: bool = False, log_path: Optional[str] = None, tensor_parallel_size: int = 1,
                  cpu_bind: Optional[str] = None, devices: Optional[List[int]] = None, sleep_mode: bool = False,
                  weight_transfer: str = "file", transfer_address: Optional[str] = None, transfer_senders: int = 1,
-                 launch_prefix: Sequence[str] = (), launch_host: str = "127.0.0.1"):
+                 launch_prefix: Sequence[str] = (), launch_host: str = "127.0.0.1",
+                 quantization: Optional[dict] = None):
         """``weight_transfer``: ``file`` or a vLLM weight-transfer backend (``transport.py``);
         ``transfer_address``: where the server's workers reach this process (null: loopback for a
         launched server, this host's address for ``url``); ``transfer_senders``: gloo senders (this
         process is sender 0; one per pipeline stage); ``launch_prefix``: a command the launched
         server runs under (e.g. ``ip netns exec``, ``unshare ...``: its own network / mount namespace);
-        ``launch_host``: the address the launched server listens on (that namespace's)."""
-        self.dtype, self.model_dir, self.is_moe = dtype, model_dir, is_moe
+        ``launch_host``: the address the launched server listens on (that namespace's); ``quantization``: fp8
+        generation (``vllm_engine.fp8_engine_options``; a running server must have been started with
+        ``server_args``)."""
+        self.dtype, self.model_dir, self.is_moe, self.quantization = dtype, model_dir, is_moe, quantization
         self.weight_transfer, self.pushed_digests = weight_transfer, {}
         address = transfer_address or default_address(url or f"http://{launch_host}")
         self._transfer = None if weight_transfer == "file" else VLLMTransfer(
@@ -119,6 +133,9 @@ class VLLMServerEngine(RolloutEngine):
             self._launch(port, max_model_len, seed, kv_cache_gib, gpu_memory_utilization, log_path)
         else:
             self.url = url.rstrip("/")
+            if quantization is not None:
+                logger.info("generation_dtype fp8: the vLLM server at %s must have been started with %s", self.url,
+                            " ".join(server_args(quantization)))
         self._wait_healthy(start_timeout_s)
         if self._transfer is not None:  # the group needs every worker of the server, as it was launched (a remote
             self._transfer.endpoint.num_workers = self.num_workers()  # one's TP/PP/DP are not in our config)
@@ -131,6 +148,7 @@ class VLLMServerEngine(RolloutEngine):
                "uni" if self.tensor_parallel_size == 1 else "mp", "--gpu-memory-utilization", str(gpu_memory_utilization),
                "--worker-extension-cls", "megatron_grpo.rollout.engines.server_ext.WeightLoaderExtension"]
         cmd += ["--enable-sleep-mode"] if self.sleep_mode else []
+        cmd += server_args(self.quantization)
         if self._transfer is not None:  # the gloo engine comes from our vllm.general_plugins entry point
             cmd += ["--weight-transfer-config", json.dumps({"backend": self.weight_transfer})]
         env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
@@ -249,7 +267,8 @@ class VLLMServerEngine(RolloutEngine):
         self.pushed_digests = {}
         self._post("/pause?mode=wait", {}, retry=False)  # finish what runs, then clear the prefix cache
         try:
-            names = self._transfer.push(digesting(buckets, self.pushed_digests), version)
+            keep = None if self.quantization is None else (lambda n, t: engine_keeps_bytes(n, t, self.quantization))
+            names = self._transfer.push(digesting(buckets, self.pushed_digests, keep), version)
         except BaseException:
             self.policy_version = UNKNOWN_VERSION  # some buckets may have loaded: no version holds
             raise

@@ -128,6 +128,7 @@ def _build(options: dict):
     if options.get("weight_transfer", "file") != "file":  # vLLM's weight-transfer API (``transport.py``)
         gloo_transfer.register()  # what the entry point does; also works from a source checkout that is not pip-installed
         extra["weight_transfer_config"] = {"backend": options["weight_transfer"]}
+    extra.update(options.get("fp8") or {})  # vLLM's block FP8 (``vllm_engine.fp8_engine_options``)
     if options.get("return_routed_experts"):
         # vLLM returns routed experts through its AuxOutput connector, which needs Model Runner V2
         os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "1")

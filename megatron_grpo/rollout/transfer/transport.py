@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import socket
-from typing import Iterable, List, Optional, Tuple
+from typing import Callable, Iterable, List, Optional, Tuple
 from urllib.parse import urlparse
 
 import torch
@@ -210,12 +210,14 @@ DIGEST_MAX_NUMEL = 1 << 20
 hashing every tensor of a large model would cost seconds per push."""
 
 
-def digesting(buckets: Iterable[Bucket], out: dict) -> Iterable[Bucket]:
+def digesting(buckets: Iterable[Bucket], out: dict,
+              keep: Optional[Callable[[str, torch.Tensor], bool]] = None) -> Iterable[Bucket]:
     """Passes ``buckets`` through, recording into ``out`` the sha256 of each small pushed tensor (of a
-    delta patch: the full tensor's, which the patch carries)."""
+    delta patch: the full tensor's, which the patch carries) that ``keep`` (the engine holds it byte for
+    byte: ``fp8_hf.engine_keeps_bytes``; None = all) accepts."""
     for bucket in buckets:
         out.update(trainer_digests((n, t) for n, t in bucket if t.numel() <= DIGEST_MAX_NUMEL and delta.DELIM not in n
-                                   and n != delta.DELTA_MARK))
+                                   and n != delta.DELTA_MARK and (keep is None or keep(n, t))))
         out.update({n[:-len(delta.SHA256)]: bytes(t.numpy()).hex() for n, t in bucket if n.endswith(delta.SHA256)})
         yield bucket
 

