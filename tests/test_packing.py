@@ -333,7 +333,7 @@ def _rank(model_dir, layout, modes, routes):
         torch.manual_seed(0)
         st = _stepper(model_dir, CLIP0, *extra)
         st.tp_group, st.dp_group = ps.get_tensor_model_parallel_group(), ps.get_data_parallel_group()
-        if dp > 1 and name != "padded":  # the step's own DP rows (packing alone too): balanced by tokens
+        if dp > 1 and st.plan_spec.balances_tokens:  # the step's own DP rows (packing alone too): by tokens
             own = st.score_layout([len(s) for s in _sequences()], _packed())[0]
             assert torch.arange(len(LENGTHS))[own].tolist() == rows.tolist(), name
         out[name] = dict(_step(st, rows, routes), rows=rows)
