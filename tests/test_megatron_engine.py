@@ -173,6 +173,47 @@ def test_tp2_and_dp2_ranks_match_the_single_process(dense):
         assert diff <= (1e-5 if layout == 0 else 0.0), diff  # TP changes GEMM round-off; DP does not
 
 
+FP8_RECIPE = os.path.join(ROOT, "recipes", "grpo-tiny-fp8-cpu.yaml")
+
+
+def _train(recipe, log_dir, *overrides, nproc=1):
+    """``megatron-grpo train`` (under torchrun for nproc > 1); returns the metrics rows and the summary."""
+    from tests._dist import _free_port
+
+    base = [sys.executable, "-m", "megatron_grpo"] if nproc == 1 else [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
+        str(_free_port()), "-m", "megatron_grpo"]
+    cmd = base + ["train", recipe, f"logger.log_dir={log_dir}", "logger.progress_bar=false",
+                  "logger.tensorboard=false", *overrides]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    env["OMP_NUM_THREADS"] = "1"  # 2 shared cores: one thread is faster than two contending ones
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env, cwd=ROOT)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    with open(log_dir / "summary.json") as f:
+        return [json.loads(line) for line in open(log_dir / "metrics.jsonl")], json.load(f)
+
+
+def test_tiny_fp8_recipe_phantom_clips_and_the_fp8_shadow_ratio_removes_them(tmp_path, tiny_dense):
+    """The tiny fp8 recipe (bf16 trainer, fp8 megatron generator, fp8 shadow, synchronous): generator and shadow
+    are one computation, so alpha and the parity probe are exactly 0 at TP = 1 and TP = 2, while beta (bf16 vs
+    fp8) is not: with loss_fn.ratio=train it phantom-clips; with the ratio from the fp8 shadow ("unified FP8")
+    nothing is phantom-clipped. TP = 2 runs without sequence parallelism: bf16 autocast training with SP fails
+    in Megatron's reduce-scatter (bf16 gradient into an fp32 buffer) whatever the generator."""
+    train, summary = _train(FP8_RECIPE, tmp_path / "train", f"policy.model_name={tiny_dense}", "grpo.max_num_steps=3")
+    shadow, _ = _train(FP8_RECIPE, tmp_path / "shadow", f"policy.model_name={tiny_dense}", "grpo.max_num_steps=2",
+                       "loss_fn.ratio=shadow", "policy.megatron_cfg.tensor_model_parallel_size=2",
+                       "policy.megatron_cfg.sequence_parallel=false", nproc=2)
+    for r in train + shadow:
+        assert r["precision/alpha_abs_mean"] == 0.0 and r["sync/logprob_abs_diff_max"] == 0.0
+        assert r["policy/kl_rollout"] == 0.0 and r["precision/beta_abs_mean"] > 5e-3
+    assert all(r["clip/phantom_region_fraction"] > 0 for r in train)
+    assert sum(r["clip/phantom_zero_grad_fraction"] for r in train) > 0
+    assert all(r["clip/phantom_zero_grad_fraction"] == 0.0 and r["clip/phantom_region_fraction"] == 0.0
+               for r in shadow)
+    assert "generator fp8, shadow fp8 (fp8: e4m3 weight blocks [32, 32]" in summary["precision"]
+    assert "an fp8 generator (blockwise e4m3, blocks [32, 32] / 32) beside a bfloat16 trainer" in summary["doctor"]
+
+
 def test_tiny_recipe_learns_with_megatron_backend(tmp_path, tiny_dense):
     """12 steps with packed sequences (several per 96-token row): the generator scores its rollouts in the
     step's own packed layout, so its log-probs are the trainer's bit for bit (scored padded, they differed

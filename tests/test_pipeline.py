@@ -6,13 +6,14 @@ import pytest
 import torch
 
 from tests._dist import run_distributed
+from tests.test_routing import FP8
 from tests.test_weights import check_pushes, push_twice
 
 ROWS, SEQ = 8, 24
 
 
-def _one_step(model_dir, pp):
-    """One TrainStep.run (bf16 shadow: beta != 0) on this rank's share of a fixed batch (PP = 2, or
+def _one_step(model_dir, pp, precision=("policy.precision.generation_dtype=bfloat16",)):
+    """One TrainStep.run (bf16 or fp8 shadow: beta != 0) on this rank's share of a fixed batch (PP = 2, or
     PP = 1 x DP = 2 on the same 2 ranks); returns the metrics, the updated weights under HF names
     (every stage exports) and the trainer's log-probs of the whole batch."""
     from megatron.core import parallel_state as ps
@@ -26,7 +27,7 @@ def _one_step(model_dir, pp):
 
     state.initialize_model_parallel(state.Layout(world_size=2, pp=pp))
     _refuse_pickled_tensors()
-    st = _stepper(model_dir, "policy.precision.generation_dtype=bfloat16", "loss_fn.ratio_clip_min=0.001",
+    st = _stepper(model_dir, *precision, "loss_fn.ratio_clip_min=0.001",
                   "loss_fn.ratio_clip_max=0.001", "grpo.deployed_improvement=true")
     st.tp_group, st.dp_group = ps.get_tensor_model_parallel_group(), ps.get_data_parallel_group()
     gen = torch.Generator().manual_seed(3)
@@ -76,8 +77,9 @@ def comm_gather(tensor, group):
 
 
 def _both_layouts(untied, tied):
-    return {name: {pp: _one_step(model_dir, pp) for pp in (1, 2)} for name, model_dir in
-            (("untied", untied), ("tied", tied))}
+    """The tied model with the fp8 shadow (each stage quantizes its own layers; the stages pass bf16)."""
+    return {name: {pp: _one_step(model_dir, pp, *precision) for pp in (1, 2)} for name, model_dir, *precision in
+            (("untied", untied), ("tied", tied, FP8))}
 
 
 @pytest.fixture(scope="module")
