@@ -213,7 +213,13 @@ def test_fp8_blocks_must_tile_every_quantized_shard(fp8, shape, tp, message):
 def test_fp8_blocks_that_tile_pass_and_te_is_refused(tiny_dense):
     from megatron_grpo.trainer.layout import describe_layout
 
-    _fp8_check({"weight_block_size": [64, 64], "activation_block_size": 64})  # grpo-smollm2-fp8-cpu.yaml's
+    from megatron_grpo.models.qwen3 import ModelShape
+    from megatron_grpo.parallel.state import Layout
+    from megatron_grpo.trainer.layout import check_fp8
+
+    smollm2 = load_recipe(os.path.join(ROOT, "recipes", "grpo-smollm2-fp8-cpu.yaml"))
+    assert smollm2.policy.precision.uses_fp8 and smollm2.generation.backend == "megatron"
+    check_fp8(smollm2, ModelShape(**SMOLLM2), Layout(world_size=1))  # its [64, 64] / 64 tile SmolLM2
     _fp8_check({"weight_block_size": [64, 64], "activation_block_size": 64}, tp=3)  # 3 KV heads: TP 3
     _fp8_check({"weight_block_size": [32, 32], "activation_block_size": 32}, dict(MOE, head_dim=32, hidden_size=128),
                etp=1)
