@@ -34,3 +34,34 @@ def test_every_pair_names_a_scoring_pass_or_the_generator():
     names = {name for name, _, _ in beta_real.SCORES} | {"vllm-bf16"}
     assert all(ref in names and other in names for _, ref, other in beta_real.PAIRS)
     assert [b[0] for b in beta_real.BUCKETS] == ["gt-5", "-10..-5", "-20..-10", "le-20"]
+
+
+def test_every_fp8_pair_names_an_fp8_pass_or_the_fp8_generator():
+    names = {name for name, _, _ in beta_real.FP8_SCORES} | {"fp8-generator"}
+    assert all(ref in names and other in names for _, ref, other in beta_real.FP8_PAIRS)
+    assert set(beta_real.FP8_VARIANTS) <= names
+
+
+def test_fp8_generator_mode_end_to_end_on_the_tiny_llama(tiny_llama, tmp_path, megatron_single):
+    """``--generator megatron-fp8`` on the SmolLM2-shaped tiny Llama (blocks 32): the fp8 generator's reported
+    log-probs are its fp8 shadow's exactly; the FP8 gap is several times the bf16 one; the variants differ."""
+    import json
+    import shutil
+
+    model = str(tmp_path / "llama")
+    shutil.copytree(tiny_llama, model)
+    with open(os.path.join(model, "eos_prompts.jsonl"), "w") as f:
+        for ids in ([5, 6, 7, 8], [9, 10, 11, 12, 13]):
+            f.write(json.dumps({"prompt_token_ids": ids}) + "\n")
+    out = beta_real.main(["--model", model, "--out", str(tmp_path / "out"), "--generator", "megatron-fp8",
+                          "--fp8-block", "32", "--prompts", "2", "--samples", "2", "--max-new-tokens", "6"])
+    rows = {r["pair"]: r for r in out["rows"]}
+    assert len(rows) == len(beta_real.FP8_PAIRS)
+    assert rows["fp8 generator's reported log-probs vs the fp8 shadow"]["beta_abs_max"] == 0.0
+    bf16 = rows["fp32 trainer vs bf16 autocast (the bf16 gap)"]["beta_abs_mean"]
+    assert rows["fp32 trainer vs fp8 generator"]["beta_abs_mean"] > 3 * bf16 > 0
+    variants = {rows[f"fp32 trainer vs fp8{v}"]["beta_abs_mean"] for v in (" generator", ", pow2 scales",
+                                                                         ", first / last 2 layers bf16")}
+    assert len(variants) == 3
+    with open(tmp_path / "out" / "beta_real.md") as f:
+        assert "sampled by megatron-fp8 fp8, blocks 32" in f.read()

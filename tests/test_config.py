@@ -217,3 +217,72 @@ def test_fp8_is_a_generation_and_shadow_precision_only():
             from_dict(Config, {"policy": {"precision": {"generation_dtype": "fp8", "fp8": bad}}})
     with pytest.raises(ValueError, match="policy.precision.fp8.block_size"):
         from_dict(Config, {"policy": {"precision": {"fp8": {"block_size": 64}}}})
+
+
+SMOLLM2 = dict(model_type="llama", vocab_size=49152, hidden_size=576, num_layers=30, num_heads=9, num_kv_heads=3,
+               head_dim=64, ffn_hidden_size=1536, rms_norm_eps=1e-5, rope_theta=1e5, max_position_embeddings=2048,
+               tie_word_embeddings=True)
+
+
+def _fp8_check(fp8, shape=None, tp=1, etp=1, **precision):
+    from megatron_grpo.models.qwen3 import ModelShape
+    from megatron_grpo.parallel.state import Layout
+    from megatron_grpo.trainer.layout import check_fp8
+
+    cfg = from_dict(Config, {"policy": {"precision": {"generation_dtype": "fp8", "fp8": fp8, **precision}}})
+    check_fp8(cfg, ModelShape(**dict(SMOLLM2, **(shape or {}))), Layout(world_size=tp * etp, tp=tp, etp=etp))
+
+
+MOE = dict(model_type="qwen3_moe", num_experts=8, moe_topk=2, moe_ffn_hidden_size=96, num_layers=2, num_heads=4,
+           num_kv_heads=2)
+
+
+@pytest.mark.parametrize("fp8, shape, tp, message", [
+    # 128 x 128 (the field's default) does not tile SmolLM2: head_dim 64, hidden 576 = 9 x 64
+    ({}, None, 1, r"weight_block_size=\[128, 128\]: block rows 128 do not divide the attention head_dim 64"),
+    ({"weight_block_size": [64, 128]}, None, 1, r"weight_block_size=\[64, 128\] does not tile linear_qkv: its shard "
+                                                r"is \[960, 576\] in parts of 64 rows at tensor_model_parallel_size=1"),
+    # fc1's blocks would straddle gate and up: [2 x 192, 512] rows tile by 128 but each half does not
+    ({"weight_block_size": [128, 64]}, dict(hidden_size=512, head_dim=128, num_heads=4, num_kv_heads=1,
+                                             ffn_hidden_size=192), 1,
+     r"weight_block_size=\[128, 64\] does not tile linear_fc1 \(gate \+ up\): its shard is \[384, 512\] in parts "
+     r"of 192 rows"),
+    # TP splits the row-parallel inputs: proj's 576 input features -> 192 per rank at TP = 3
+    ({"weight_block_size": [64, 128], "activation_block_size": 64}, dict(hidden_size=512), 3,
+     r"weight_block_size=\[64, 128\] does not tile linear_proj: its shard is \[512, 192\] at tensor_model_parallel_size=3"),
+    ({"weight_block_size": [64, 64], "activation_block_size": 128}, None, 1,
+     r"activation_block_size=128 does not divide the 576 input features of linear_qkv's shard"),
+    ({"weight_block_size": [32, 32], "activation_block_size": 64}, dict(MOE, head_dim=32, hidden_size=128), 1,
+     r"activation_block_size=64 does not divide the 96 input features of experts' linear_fc2's shard"),
+    ({"weight_block_size": [64, 64], "activation_block_size": 64, "num_first_layers_in_bf16": 20,
+      "num_last_layers_in_bf16": 11}, None, 1, r"num_first_layers_in_bf16=20 \+ num_last_layers_in_bf16=11 exceed "
+                                               r"the model's 30 decoder layers"),
+], ids=["default-128", "qkv-cols", "fc1-gate-up", "proj-tp3", "activation", "experts", "bf16-layers"])
+def test_fp8_blocks_must_tile_every_quantized_shard(fp8, shape, tp, message):
+    with pytest.raises(ValueError, match=r"policy\.precision\.fp8\." + message):
+        _fp8_check(fp8, shape, tp)
+
+
+def test_fp8_blocks_that_tile_pass_and_te_is_refused(tiny_dense):
+    from megatron_grpo.trainer.layout import describe_layout
+
+    from megatron_grpo.models.qwen3 import ModelShape
+    from megatron_grpo.parallel.state import Layout
+    from megatron_grpo.trainer.layout import check_fp8
+
+    smollm2 = load_recipe(os.path.join(ROOT, "recipes", "grpo-smollm2-fp8-cpu.yaml"))
+    assert smollm2.policy.precision.uses_fp8 and smollm2.generation.backend == "megatron"
+    check_fp8(smollm2, ModelShape(**SMOLLM2), Layout(world_size=1))  # its [64, 64] / 64 tile SmolLM2
+    _fp8_check({"weight_block_size": [64, 64], "activation_block_size": 64}, tp=3)  # 3 KV heads: TP 3
+    _fp8_check({"weight_block_size": [32, 32], "activation_block_size": 32}, dict(MOE, head_dim=32, hidden_size=128),
+               etp=1)
+    _fp8_check({"num_first_layers_in_bf16": 30}, shadow_dtype="bfloat16", generation_dtype="bfloat16")  # no fp8
+    with pytest.raises(ValueError, match="policy.megatron_cfg.transformer_impl=te with policy.precision"):
+        from_dict(Config, {"policy": {"precision": {"shadow_dtype": "fp8"}, "megatron_cfg": {"transformer_impl": "te"}}})
+    # --dry-run runs the check (light: the checkpoint's config.json only)
+    cfg = load_recipe(os.path.join(ROOT, "recipes", "grpo-tiny-fp8-cpu.yaml"), [f"policy.model_name={tiny_dense}"])
+    assert describe_layout(cfg, 2)["layout"]["dp"] == 2
+    bad = load_recipe(os.path.join(ROOT, "recipes", "grpo-tiny-fp8-cpu.yaml"),
+                      [f"policy.model_name={tiny_dense}", "policy.precision.fp8.activation_block_size=48"])
+    with pytest.raises(ValueError, match="policy.precision.fp8.activation_block_size=48 does not divide the 128"):
+        describe_layout(bad, 1)

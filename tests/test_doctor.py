@@ -207,3 +207,34 @@ def test_rows_without_the_sampled_diagnostics_use_the_rows_that_have_them(tmp_pa
                                                              "clipping zeroes 0.00% of token gradients)")
     bare = [{k: v for k, v in row.items() if not k.startswith(("precision/", "clip/"))} for row in healthy]
     assert "no precision metrics logged" in doctor.healthy_sentence(bare, None)
+
+
+def fp8_config(compute="bfloat16", shadow="fp8", ratio="train", correction=None, first=0, last=0):
+    config = precision_config(compute, "fp8", ratio=ratio, correction=correction)
+    config["policy"]["precision"].update(shadow_dtype=shadow, fp8={
+        "weight_block_size": [32, 32], "activation_block_size": 32, "use_weight_pow2_scale": False,
+        "use_activation_pow2_scale": False, "num_first_layers_in_bf16": first, "num_last_layers_in_bf16": last})
+    return config
+
+
+def test_an_fp8_generator_beside_a_bf16_or_fp32_trainer_gets_fp8s_fixes(tmp_path, capsys):
+    rows = [step_row(s, beta=0.0117, phantom=0.02, **{"precision/beta_abs_max": 0.05 + 0.01 * s})
+            for s in range(1, 4)]
+    run = write_run(tmp_path / "fp8", rows, fp8_config())
+    [finding] = diagnose(read_metrics(run), read_config(run))
+    assert finding.kind == "phantom_clipping"
+    assert ("an fp8 generator (blockwise e4m3, blocks [32, 32] / 32) beside a bfloat16 trainer" in finding.message
+            and "mean |beta| 1.17e-02, max |beta| 8.00e-02" in finding.message
+            and "zeroes 2.0% of token gradients" in finding.message)
+    # strongest first: the ratio from the generator's own FP8 forward, a correction, bf16 first / last layers
+    expected = ["policy.precision.shadow_dtype=fp8 loss_fn.ratio=shadow", "loss_fn.correction=tis",
+                "policy.precision.fp8.num_first_layers_in_bf16=2 policy.precision.fp8.num_last_layers_in_bf16=2"]
+    assert len(finding.fixes) == 3 and all(f.endswith(o) for f, o in zip(finding.fixes, expected))
+    assert not any("compute_dtype=fp8" in f or "float16" in f for f in finding.fixes)  # no impossible fix
+    # little damage so far (fp32 trainer): the mismatch warning names fp8 too; fixes in effect are left out
+    small = [step_row(s, beta=0.01, phantom=0.001) for s in range(1, 4)]
+    [warning] = diagnose(small, fp8_config("float32", ratio="shadow", correction="tis"))
+    assert warning.kind == "precision_mismatch" and "beside a float32 trainer" in warning.message
+    assert len(warning.fixes) == 1 and warning.fixes[0].endswith(expected[2])
+    assert doctor.fp8_fixes(fp8_config(ratio="shadow", correction="icepop", first=2, last=2)) == []
+    assert doctor.doctor(run) == 1 and "1. take the PPO ratio from the generator's FP8 forward" in capsys.readouterr().out

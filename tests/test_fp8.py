@@ -164,3 +164,66 @@ def test_fp8_forward_patches_the_decoder_linears_only_and_restores_them(tiny_den
         gpt.decoder.layers[1].self_attention.linear_qkv.weight, (32, 32))[0].view(torch.uint8))
     gap_fp8, gap_bf16 = (quantized.float() - plain).abs().mean(), (bf16.float() - plain).abs().mean()
     assert gap_fp8 > 2 * gap_bf16 > 0
+
+
+# ---- the fp8 precision in the forwards (models/forward.py) ------------------------------------------------------
+
+RECIPE = fp8.Fp8Recipe(weight_block_size=(32, 32), activation_block_size=32)
+"""The tiny models' blocks (hidden 128, head_dim 32, ffn 384)."""
+
+
+def fp8_reference_log_probs(model, input_ids, labels, recipe=RECIPE, temperature=1.0):
+    """fp32 log-probs of ``labels`` from one forward under bf16 autocast with the FP8 linears
+    (``fp8.fp8_forward``, checked above against the reference quantizer): what the fp8 precision means."""
+    from megatron_grpo.models import forward_logits, unwrap
+
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16), fp8.fp8_forward(unwrap(model), recipe):
+        logits = forward_logits(model, input_ids)
+    return torch.log_softmax(logits.float() / temperature, dim=-1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+
+
+@pytest.fixture(scope="module")
+def fp8_model(tiny_dense, megatron_single):
+    from megatron_grpo.models import build_from_hf
+
+    return build_from_hf(tiny_dense, fp8_recipe=RECIPE)[0]
+
+
+def test_forward_log_probs_in_fp8_quantize_once_with_the_models_recipe(fp8_model, tiny_dense, monkeypatch):
+    from megatron_grpo.models import build_from_hf, unwrap
+    from megatron_grpo.models.forward import fp8_context, forward_log_probs, pack
+
+    calls = []
+    quantize = fp8.quantize_model
+    monkeypatch.setattr(fp8, "quantize_model", lambda *a: calls.append(1) or quantize(*a))
+    g = torch.Generator().manual_seed(5)
+    packed = pack([torch.randint(3, 1000, (20 - i,), generator=g).tolist() for i in range(6)], [4] * 6)
+    lp = {dtype: forward_log_probs(fp8_model, packed, compute_dtype=dtype, params_dtype=torch.float32,
+                                   temperature=0.7, micro_batch_size=2)
+          for dtype in (torch.float8_e4m3fn, torch.bfloat16)}
+    assert len(calls) == 1  # one quantization for the pass's three micro-batches
+    ref = fp8_reference_log_probs(fp8_model, packed.input_ids, packed.labels, temperature=0.7)  # quantizes too
+    m = packed.mask
+    torch.testing.assert_close(lp[torch.float8_e4m3fn][m], ref[m], atol=1e-5, rtol=0)
+    assert (lp[torch.bfloat16] - ref)[m].abs().mean() > 1e-3  # fp8 is not bf16: the FP8 linears did run
+    # nested contexts share the outer one's bytes (the megatron generator: decode + scoring on one quantization)
+    with fp8_context(fp8_model, torch.float8_e4m3fn) as outer:
+        again = forward_log_probs(fp8_model, packed, compute_dtype=torch.float8_e4m3fn, params_dtype=torch.float32,
+                                  temperature=0.7, micro_batch_size=2)
+        with fp8_context(fp8_model, torch.float8_e4m3fn) as inner:
+            assert inner is outer
+    assert len(calls) == 3 and torch.equal(again, lp[torch.float8_e4m3fn])
+    assert getattr(unwrap(fp8_model), "fp8_weights_in_use") is None
+    bare = build_from_hf(tiny_dense, load_weights=False)[0]
+    with pytest.raises(ValueError, match="without FP8 settings"):
+        forward_log_probs(bare, packed, compute_dtype=torch.float8_e4m3fn, params_dtype=torch.float32)
+
+
+def test_fp8_precision_runs_bf16_around_its_linears():
+    from megatron_grpo.models.forward import around_dtype, precision_context
+
+    assert around_dtype(torch.float8_e4m3fn) == torch.bfloat16 and around_dtype(torch.float16) == torch.float16
+    with precision_context(torch.float8_e4m3fn, torch.float32):
+        assert torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
+    with precision_context(torch.float8_e4m3fn, torch.bfloat16):  # bf16 params: bf16 already
+        assert not torch.is_autocast_enabled("cpu")

@@ -104,6 +104,32 @@ def test_score_versions_and_async_handles(dense):
         engine.generate(PROMPTS, 1, Sampling(top_p=0.9))
 
 
+def test_fp8_generator_decodes_and_scores_on_one_quantization(dense, monkeypatch):
+    """generation_dtype fp8: the decode loop and the scoring forward run the FP8 linears on one quantization
+    per generate call; the reported log-probs are the fp8 shadow forward's (the trainer's, same bytes) bit for
+    bit, and the tokens were sampled from FP8 logits (the KV-cached decode agrees with them)."""
+    from megatron_grpo.models import build_from_hf, fp8
+    from tests.test_fp8 import RECIPE
+
+    model_dir, _ = dense
+    model, _ = build_from_hf(model_dir, backend="local", fp8_recipe=RECIPE)
+    calls = []
+    quantize = fp8.quantize_model
+    monkeypatch.setattr(fp8, "quantize_model", lambda *a: calls.append(1) or quantize(*a))
+    engine = _engine(model_dir, model, torch.float8_e4m3fn)
+    rollouts = engine.generate(PROMPTS, 3, Sampling(max_tokens=10, temperature=0.8, seed=7))
+    assert len(calls) == 1
+    shadow = _trainer_logprobs(model, rollouts, 0.8, torch.float8_e4m3fn)
+    assert shadow == [r.logprobs for r in rollouts]
+    bf16 = _trainer_logprobs(model, rollouts, 0.8, torch.bfloat16)
+    gap = max(abs(a - b) for r, row in zip(rollouts, bf16) for a, b in zip(r.logprobs, row))
+    # sampled from fp8 logits: the KV-cached decode differs from the scoring by round-off (measured 3.7e-3, bf16's
+    # spread), the bf16 forward by the FP8 gap (5.5e-2)
+    assert engine.decode_gap_max <= 1e-2 and gap > 3e-2
+    assert engine.score([r.prompt_ids + r.completion_ids for r in rollouts], [len(r.prompt_ids) for r in rollouts]) \
+        == _trainer_logprobs(model, rollouts, 1.0, torch.float8_e4m3fn)  # the parity probe's two sides
+
+
 def test_recipe_config_and_memory_plan(tiny_dense):
     from megatron_grpo.config.schema import Config, from_dict
     from megatron_grpo.models import load_hf_config, shape_from_hf
@@ -147,6 +173,47 @@ def test_tp2_and_dp2_ranks_match_the_single_process(dense):
         assert diff <= (1e-5 if layout == 0 else 0.0), diff  # TP changes GEMM round-off; DP does not
 
 
+FP8_RECIPE = os.path.join(ROOT, "recipes", "grpo-tiny-fp8-cpu.yaml")
+
+
+def _train(recipe, log_dir, *overrides, nproc=1):
+    """``megatron-grpo train`` (under torchrun for nproc > 1); returns the metrics rows and the summary."""
+    from tests._dist import _free_port
+
+    base = [sys.executable, "-m", "megatron_grpo"] if nproc == 1 else [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
+        str(_free_port()), "-m", "megatron_grpo"]
+    cmd = base + ["train", recipe, f"logger.log_dir={log_dir}", "logger.progress_bar=false",
+                  "logger.tensorboard=false", *overrides]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    env["OMP_NUM_THREADS"] = "1"  # 2 shared cores: one thread is faster than two contending ones
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env, cwd=ROOT)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    with open(log_dir / "summary.json") as f:
+        return [json.loads(line) for line in open(log_dir / "metrics.jsonl")], json.load(f)
+
+
+def test_tiny_fp8_recipe_phantom_clips_and_the_fp8_shadow_ratio_removes_them(tmp_path, tiny_dense):
+    """The tiny fp8 recipe (bf16 trainer, fp8 megatron generator, fp8 shadow, synchronous): generator and shadow
+    are one computation, so alpha and the parity probe are exactly 0 at TP = 1 and TP = 2, while beta (bf16 vs
+    fp8) is not: with loss_fn.ratio=train it phantom-clips; with the ratio from the fp8 shadow ("unified FP8")
+    nothing is phantom-clipped. TP = 2 runs without sequence parallelism: bf16 autocast training with SP fails
+    in Megatron's reduce-scatter (bf16 gradient into an fp32 buffer) whatever the generator."""
+    train, summary = _train(FP8_RECIPE, tmp_path / "train", f"policy.model_name={tiny_dense}", "grpo.max_num_steps=3")
+    shadow, _ = _train(FP8_RECIPE, tmp_path / "shadow", f"policy.model_name={tiny_dense}", "grpo.max_num_steps=2",
+                       "loss_fn.ratio=shadow", "policy.megatron_cfg.tensor_model_parallel_size=2",
+                       "policy.megatron_cfg.sequence_parallel=false", nproc=2)
+    for r in train + shadow:
+        assert r["precision/alpha_abs_mean"] == 0.0 and r["sync/logprob_abs_diff_max"] == 0.0
+        assert r["policy/kl_rollout"] == 0.0 and r["precision/beta_abs_mean"] > 5e-3
+    assert all(r["clip/phantom_region_fraction"] > 0 for r in train)
+    assert sum(r["clip/phantom_zero_grad_fraction"] for r in train) > 0
+    assert all(r["clip/phantom_zero_grad_fraction"] == 0.0 and r["clip/phantom_region_fraction"] == 0.0
+               for r in shadow)
+    assert "generator fp8, shadow fp8 (fp8: e4m3 weight blocks [32, 32]" in summary["precision"]
+    assert "an fp8 generator (blockwise e4m3, blocks [32, 32] / 32) beside a bfloat16 trainer" in summary["doctor"]
+
+
 def test_tiny_recipe_learns_with_megatron_backend(tmp_path, tiny_dense):
     """12 steps with packed sequences (several per 96-token row): the generator scores its rollouts in the
     step's own packed layout, so its log-probs are the trainer's bit for bit (scored padded, they differed
@@ -170,3 +237,62 @@ def test_tiny_recipe_learns_with_megatron_backend(tmp_path, tiny_dense):
         assert r["sync/logprob_abs_diff_max"] == 0.0 and r["policy/kl_rollout"] == 0.0
         assert r["precision/alpha_abs_mean"] == 0.0 and r["compat/rollout_corr/kl"] == 0.0
         assert r["sync/push_s"] == 0.0 and r["rollout/policy_version_lag"] == 0.0
+
+
+def _rank_fp8(model_dir, moe_dir):
+    """On each rank, at TP = 2 (sequence parallel) on the dense model, then EP = 2 on the MoE: whether the fp8
+    generator's log-probs equal the fp8 shadow forward's (vocab-parallel over TP), and this rank's FP8 bytes."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_grpo.models import build_from_hf, fp8, unwrap
+    from megatron_grpo.models.forward import completion_scores, forward_log_probs, pack
+    from megatron_grpo.parallel import state
+    from tests.test_fp8 import RECIPE
+
+    out = {}
+    for name, path, layout in (("tp2", model_dir, state.Layout(world_size=2, tp=2)),
+                               ("ep2", moe_dir, state.Layout(world_size=2, ep=2))):
+        state.initialize_model_parallel(layout)
+        model, _ = build_from_hf(path, backend="local", fp8_recipe=RECIPE)
+        rollouts = _engine(path, model, torch.float8_e4m3fn).generate(
+            PROMPTS[:3], 2, Sampling(max_tokens=8, temperature=0.8, seed=7))
+        packed = pack([r.prompt_ids + r.completion_ids for r in rollouts], [len(r.prompt_ids) for r in rollouts])
+        lp = forward_log_probs(model, packed, compute_dtype=torch.float8_e4m3fn, params_dtype=torch.float32,
+                               temperature=0.8, tp_group=ps.get_tensor_model_parallel_group())
+        shards = {k: (w.q.view(torch.uint8).clone(), w.scale_inv.clone())
+                  for k, w in fp8.quantize_model(unwrap(model), RECIPE).items()}
+        out[name] = (completion_scores(lp, packed) == [r.logprobs for r in rollouts], len(rollouts), shards)
+    return out
+
+
+@pytest.mark.slow
+def test_fp8_generator_equals_the_fp8_shadow_at_tp2_and_ep2(dense, tiny_moe):
+    """generator fp8 == shadow fp8 bit for bit at TP = 2 (with sequence parallelism: the activation groups
+    are per token, so quantizing before or after the sequence all-gather is the same) and at EP = 2 (MoE;
+    every rank decodes every row); each TP rank's FP8 bytes are the shards of the TP = 1 model's (QKV rows
+    by query group, fc1 = [gate_r; up_r], proj / fc2 columns): the same bytes the generator's HF blocks hold."""
+    from megatron_grpo.models import build_from_hf, fp8, unwrap
+    from tests.test_fp8 import RECIPE
+
+    model_dir, _ = dense
+    whole = fp8.quantize_model(unwrap(build_from_hf(model_dir, backend="local")[0]), RECIPE)
+    ranks = run_distributed(_rank_fp8, 2, model_dir, tiny_moe)
+    for rank, result in enumerate(ranks):
+        for name in ("tp2", "ep2"):
+            equal, rows, _ = result[name]
+            assert equal and rows == 6, (rank, name)
+        local = result["tp2"][2]
+        assert sorted(local) == sorted(whole)
+        for key, w in whole.items():
+            q, s = w.q.view(torch.uint8), w.scale_inv
+            if key.endswith("linear_fc1"):  # [gate; up], each split over TP
+                want = [torch.cat([half.chunk(2)[rank] for half in t.chunk(2)]) for t in (q, s)]
+            elif key.endswith("linear_qkv"):  # whole query groups per TP rank: contiguous rows
+                want = [t.chunk(2)[rank] for t in (q, s)]
+            else:  # row-parallel: input columns split
+                want = [t.chunk(2, dim=1)[rank] for t in (q, s)]
+            assert torch.equal(local[key][0], want[0]) and torch.equal(local[key][1], want[1]), (rank, key)
+    ep0, ep1 = ranks[0]["ep2"][2], ranks[1]["ep2"][2]  # each EP rank quantizes its own experts (local names)
+    expert = "decoder.layers.0.mlp.experts.local_experts.0.linear_fc1"
+    attention = "decoder.layers.0.self_attention.linear_qkv"
+    assert torch.equal(ep0[attention][0], ep1[attention][0]) and not torch.equal(ep0[expert][0], ep1[expert][0])

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tests._dist import run_distributed
-from tests.test_routing import near_tie_moe  # noqa: F401  (a fixture: the MoE case)
+from tests.test_routing import FP8, near_tie_moe  # noqa: F401  (near_tie_moe: a fixture, the MoE case)
 from tests.test_weights import check_pushes, push_twice
 
 ROWS, SEQ = 8, 24
@@ -21,8 +21,8 @@ sys.path.insert(0, os.path.join(ROOT, "tools"))
 from bench_checkpoint_load import read_bytes  # noqa: E402  (tools/: torch_dist's read counter)
 
 
-def _one_step(model_dir, pp, split=None):
-    """One TrainStep.run (bf16 shadow: beta != 0) on this rank's share of a fixed batch (PP = 2, or
+def _one_step(model_dir, pp, split=None, precision=("policy.precision.generation_dtype=bfloat16",)):
+    """One TrainStep.run (bf16 or fp8 shadow: beta != 0) on this rank's share of a fixed batch (PP = 2, or
     PP = 1 x DP = 2 on the same 2 ranks; ``split``: uneven stages); returns the metrics, the updated
     weights under HF names (every stage exports), the trainer's log-probs of the whole batch, two pushes,
     and the stage's facts: its weights under HF names before the step, its parameter count, layers and offset."""
@@ -40,7 +40,7 @@ def _one_step(model_dir, pp, split=None):
     split = split or PipelineSplit()
     state.initialize_model_parallel(state.Layout(world_size=2, pp=pp, split=split))
     _refuse_pickled_tensors()
-    st = _stepper(model_dir, "policy.precision.generation_dtype=bfloat16", "loss_fn.ratio_clip_min=0.001",
+    st = _stepper(model_dir, *precision, "loss_fn.ratio_clip_min=0.001",
                   "loss_fn.ratio_clip_max=0.001", "grpo.deployed_improvement=true", pipeline_split=split)
     st.tp_group, st.dp_group = ps.get_tensor_model_parallel_group(), ps.get_data_parallel_group()
     shape = shape_from_hf(load_hf_config(st.cfg.policy.model_name))
@@ -95,16 +95,18 @@ def comm_gather(tensor, group):
 
 UNEVEN = {"first2": dict(num_layers_in_first_pipeline_stage=2),  # 5 layers: 2 + 3
           "loss": dict(account_for_loss_in_pipeline_split=True)}  # (5 + 1) / 2 = 3 per stage, the last builds 2
-CASES = {"untied": ("untied", [1, 2]), "tied": ("tied", [1, 2]), "moe": ("moe", [1, 2]),
-         "five": ("five", [1, *UNEVEN])}
-"""name: (model, layouts): 1 = PP = 1 x DP = 2, 2 = PP = 2, an UNEVEN key = PP = 2 split so."""
+BF16 = ("policy.precision.generation_dtype=bfloat16",)
+CASES = {"untied": ("untied", [1, 2], BF16), "tied": ("tied", [1, 2], FP8), "moe": ("moe", [1, 2], BF16),
+         "five": ("five", [1, *UNEVEN], BF16)}
+"""name: (model, layouts, precision): 1 = PP = 1 x DP = 2, 2 = PP = 2, an UNEVEN key = PP = 2 split so. The tied
+model runs the fp8 shadow (each stage quantizes its own layers; the stages pass bf16)."""
 
 
 def _all_cases(models):
     from megatron_grpo.parallel.stages import PipelineSplit
 
-    return {name: {lay: _one_step(models[model], 1 if lay == 1 else 2, PipelineSplit(**UNEVEN.get(lay, {})))
-                   for lay in layouts} for name, (model, layouts) in CASES.items()}
+    return {name: {lay: _one_step(models[model], 1 if lay == 1 else 2, PipelineSplit(**UNEVEN.get(lay, {})), precision)
+                   for lay in layouts} for name, (model, layouts, precision) in CASES.items()}
 
 
 @pytest.fixture(scope="module")

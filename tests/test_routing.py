@@ -40,7 +40,7 @@ def _stepper(model_dir, *overrides, with_ref=False, **build):
 
     cfg = load_recipe(RECIPE, [f"policy.model_name={model_dir}", "grpo.deployed_improvement=false",
                                "policy.train_micro_batch_size=4", *overrides])
-    model, _ = build_from_hf(model_dir, **build)
+    model, _ = build_from_hf(model_dir, **dict(dict(fp8_recipe=cfg.policy.precision.fp8.recipe()), **build))
     ref = build_from_hf(model_dir)[0].requires_grad_(False) if with_ref else None
     model = wrap_model(model, cfg)
     return TrainStep(model, Optimizer(model, cfg), cfg, None, None, ref)
@@ -60,11 +60,11 @@ def _step_batch(old, advantages, rows=slice(None), routes=None):
                      packed.mask.any(-1).sum().double(), None if routes is None else routes[rows])
 
 
-def _generator_view(model_dir, generation_dtype="bfloat16"):
+def _generator_view(model_dir, generation_dtype="bfloat16", *overrides):
     """Old log-probs and advantages: the generator's precision emulated by a shadow forward."""
     from megatron_grpo.models.forward import pack
 
-    st = _stepper(model_dir, f"policy.precision.generation_dtype={generation_dtype}")
+    st = _stepper(model_dir, f"policy.precision.generation_dtype={generation_dtype}", *overrides)
     old = st.lowp_log_probs(pack(_sequences(), [PROMPT] * ROWS, 0))
     return old, torch.linspace(-1.0, 1.0, ROWS)
 
@@ -142,6 +142,29 @@ def test_shadow_uses_the_generators_router_precision(near_tie_moe, megatron_sing
     same = _stepper(near_tie_moe, "policy.precision.compute_dtype=bfloat16",
                     "policy.precision.shadow_router_dtype=float32")
     assert not same.needs_shadow
+
+
+FP8 = ("policy.precision.generation_dtype=fp8", "policy.precision.fp8.weight_block_size=[32,32]",
+       "policy.precision.fp8.activation_block_size=32")
+"""An fp8 generator with the tiny models' blocks (the shadow follows it: shadow_dtype null)."""
+
+
+def test_fp8_shadow_routers_stay_bf16_and_r2_replays_its_routing(near_tie_moe, megatron_single):
+    """The fp8 shadow's routers run in bf16 (vLLM's fp8 models keep the gate in bf16; only the experts' and the
+    attention's linears are FP8); its routing differs from the fp32 trainer's at near ties, and R2 replays it."""
+    from megatron_grpo.models import fp8, unwrap
+
+    old, adv = _generator_view(near_tie_moe, *FP8[0].split("=")[1:], *FP8[1:])  # the fp8 shadow's own
+    off_st = _stepper(near_tie_moe, *FP8)
+    assert off_st.needs_shadow and off_st.routing.shadow_dtype == torch.bfloat16
+    gates = [n for n, _ in fp8.fp8_linears(unwrap(off_st.model), off_st.cfg.policy.precision.fp8.recipe())]
+    assert gates and not any("router" in n for n in gates)
+    off = _metrics(off_st, _step_batch(old, adv))
+    assert off["precision/alpha_abs_mean"] == 0.0  # the generator view is this fp8 shadow
+    assert off["moe/route_mismatch_fraction"] > 0.01 and off["precision/beta_abs_mean"] > 5e-3
+    r2 = _metrics(_stepper(near_tie_moe, *FP8, "policy.megatron_cfg.moe_routing_replay=R2"), _step_batch(old, adv))
+    assert r2["moe/route_mismatch_fraction"] == 0.0 and r2["moe/route_replayed_fraction"] > 0.01
+    assert r2["precision/alpha_abs_mean"] == 0.0
 
 
 def test_r3_replays_the_generators_routing(near_tie_moe, megatron_single):

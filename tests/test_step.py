@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from tests.test_routing import ROWS, _step_batch, _stepper
+from tests.test_routing import FP8, PROMPT, ROWS, _metrics, _sequences, _step_batch, _stepper
 
 
 def _grads_after_step(model_dir, micro_batch_size, clip):
@@ -98,6 +98,37 @@ def test_detach_center_centres_on_the_loss_own_ratio(case, tiny_dense, megatron_
         assert seen["center"].item() == pytest.approx(ref.item(), abs=1e-6)
         centers.append(seen["center"].item())
     assert centers[0] == pytest.approx(centers[1], abs=1e-6)
+@pytest.mark.parametrize("loss", [
+    ("loss_fn.ratio=shadow", "loss_fn.correction=tis", "loss_fn.clip=detach_center"),
+    ("loss_fn.ratio=gap_scaled",),
+    ("loss_fn.correction=icepop",),
+    ("loss_fn.correction=seq_mask_tis", "loss_fn.correction_mode=bypass"),
+], ids=["shadow-tis-detach_center", "gap_scaled", "icepop", "seq_mask_tis-bypass"])
+def test_the_fp8_shadow_feeds_the_loss_and_the_probes(loss, tiny_dense, megatron_single):
+    """shadow_dtype fp8 with an fp32 trainer: the step's shadow log-probs, beta, alpha and the deployed-
+    improvement probe are those of an independent fp8 forward (bf16 autocast + the FP8 linears, one whole-batch
+    forward) before and after the update, whatever the ratio source, clip family and correction."""
+    from megatron_grpo.models.forward import pack
+    from tests.test_fp8 import fp8_reference_log_probs
+
+    st = _stepper(tiny_dense, *FP8, "grpo.deployed_improvement=true", *loss)
+    packed = pack(_sequences(), [PROMPT] * ROWS, 0)
+    m = packed.mask
+    before = fp8_reference_log_probs(st.model, packed.input_ids, packed.labels)
+    old = before + 0.02 * torch.randn(before.shape, generator=torch.Generator().manual_seed(4))  # alpha != 0
+    metrics = _metrics(st, _step_batch(old, torch.linspace(-1.0, 1.0, ROWS, dtype=torch.float64)))
+    after = fp8_reference_log_probs(st.model, packed.input_ids, packed.labels)
+    train, shadow = st.last_log_probs
+    torch.testing.assert_close(shadow[m], before[m], atol=1e-5, rtol=0)
+    mean = lambda x: x[m].abs().mean().item()  # noqa: E731
+    assert metrics["precision/beta_abs_mean"] == pytest.approx(mean(train - before), rel=1e-3)
+    assert metrics["precision/beta_abs_mean"] > 5e-3  # fp32 vs fp8: the FP8 gap, not bf16's
+    assert metrics["precision/alpha_abs_mean"] == pytest.approx(mean(before - old), rel=1e-3)
+    sign = torch.sign(torch.linspace(-1.0, 1.0, ROWS)).unsqueeze(-1)
+    deployed = ((after - before) * sign)[m].mean().item()
+    assert metrics["policy/deployed_improvement"] == pytest.approx(deployed, rel=1e-2, abs=1e-8)
+    assert abs(deployed) > 1e-4 or metrics["correction/masked_fraction"] == 1.0  # seq_mask_tis: a band of 1e-3
+    assert all(math.isfinite(v) for v in metrics.values())
 
 
 def test_step_metrics_live_on_the_model_device():

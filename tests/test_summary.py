@@ -11,7 +11,7 @@ import pytest
 
 from megatron_grpo.config.schema import Config, to_dict
 from megatron_grpo.observe.summary import format_summary, summarize, write_summary
-from tests.test_doctor import precision_config, step_row, write_run
+from tests.test_doctor import fp8_config, precision_config, step_row, write_run
 
 
 def timed_row(step, **kw):
@@ -168,3 +168,15 @@ def test_written_config_round_trips_as_a_recipe(tmp_path):
                       ["policy.precision.generation_dtype=bfloat16", f"logger.log_dir={tmp_path}"])
     path = write_config(cfg, str(tmp_path))
     assert to_dict(load_recipe(path)) == to_dict(cfg)
+
+
+def test_summary_names_the_precisions_fp8_with_its_settings():
+    rows = [{"step": s, **step_row(s, beta=0.01)} for s in range(1, 4)]
+    s = summarize(rows, fp8_config(first=2, last=1))
+    assert s["precision"] == ("params float32, trainer bfloat16, generator fp8, shadow fp8 (fp8: e4m3 weight blocks "
+                              "[32, 32], activation groups 32, bf16 layers 2 first / 1 last, pow2 scales: none)")
+    assert "\nprecision: params float32, trainer bfloat16, generator fp8" in format_summary({**s, "paths": {},
+                                                                                            "commands": {}})
+    plain = summarize(rows, precision_config("float32", "bfloat16"))["precision"]
+    assert plain == "params float32, trainer float32, generator bfloat16, shadow bfloat16"
+    assert summarize(rows, None)["precision"] is None

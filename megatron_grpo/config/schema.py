@@ -19,7 +19,7 @@ from megatron_grpo.config.batching import DynamicBatchingConfig, SequencePacking
 from megatron_grpo.config.generation import GenerationConfig
 from megatron_grpo.config.logger import LoggerConfig, MLflowConfig, WandbConfig  # noqa: F401  (re-exported)
 from megatron_grpo.config.optim import DDPConfig, OptimizerConfig, SchedulerConfig
-from megatron_grpo.config.precision import DTYPES, PRECISIONS, Fp8Config, PrecisionConfig, to_dtype  # noqa: F401
+from megatron_grpo.config.precision import DTYPES, FP8, PRECISIONS, Fp8Config, PrecisionConfig, to_dtype  # noqa: F401
 from megatron_grpo.config.precision import check_vllm_fp8
 from megatron_grpo.loss import ADVANTAGE_ESTIMATORS
 from megatron_grpo.loss.config import LossConfig
@@ -337,17 +337,7 @@ class Config:
         if m.distributed_data_parallel_config.overlap_param_gather and not m.optimizer.use_distributed_optimizer:
             raise ValueError("policy.megatron_cfg.distributed_data_parallel_config.overlap_param_gather=true needs "
                              "policy.megatron_cfg.optimizer.use_distributed_optimizer=true")
-        if p.compute_dtype != p.generation_dtype and self.loss_fn.ratio == "train":
-            logger.warning(
-                "policy.precision.compute_dtype=%s differs from generation_dtype=%s with loss_fn.ratio=train: "
-                "phantom clipping is expected. Fixes: match the precisions (compute_dtype=%s, or float16 for both), "
-                "or loss_fn.ratio=shadow.", p.compute_dtype, p.generation_dtype, p.generation_dtype)
-        check_vllm_fp8(p, self.generation.backend)
-        if m.fp8 is not None and p.needs_shadow:
-            raise ValueError(f"policy.megatron_cfg.fp8={m.fp8} with policy.precision.shadow_dtype={p.shadow_dtype} != "
-                             f"compute_dtype={p.compute_dtype}: every forward of the trainer's model runs TE's FP8 "
-                             "GEMMs, so no shadow runs in another precision; set policy.precision.shadow_dtype="
-                             f"{p.compute_dtype} (the ratio and beta are then the FP8 trainer's own)")
+        _check_precision_against_the_rest(self)
         if self.generation.backend == "megatron" and m.pipeline_model_parallel_size > 1:
             raise ValueError("generation.backend=megatron needs policy.megatron_cfg.pipeline_model_parallel_size=1 "
                              f"(got {m.pipeline_model_parallel_size}): its KV-cached decode runs the whole model on "
@@ -369,6 +359,33 @@ class Config:
                              f"policy.precision.shadow_dtype == compute_dtype ({p.compute_dtype}): there is no gap")
         if self.loss_fn.ratio == "shadow" and not p.needs_shadow:
             logger.info("loss_fn.ratio=shadow with shadow_dtype == compute_dtype: the shadow ratio equals the trainer's")
+
+
+def _check_precision_against_the_rest(cfg: "Config") -> None:
+    """``policy.precision`` against the layers and the loss: fp8 needs Megatron's local linears; a generator in
+    another precision than the trainer's with the trainer's ratio gets a warning with the fixes."""
+    p, m, ratio = cfg.policy.precision, cfg.policy.megatron_cfg, cfg.loss_fn.ratio
+    if p.uses_fp8 and m.transformer_impl == "te":
+        raise ValueError("policy.megatron_cfg.transformer_impl=te with policy.precision generation_dtype / "
+                         "shadow_dtype fp8: the FP8 forward (shadow, megatron generator, parity probe) runs on "
+                         "Megatron's local linears; set policy.megatron_cfg.transformer_impl=local (or auto)")
+    check_vllm_fp8(p, cfg.generation.backend)
+    if m.fp8 is not None and p.needs_shadow:
+        raise ValueError(f"policy.megatron_cfg.fp8={m.fp8} with policy.precision.shadow_dtype={p.shadow_dtype} != "
+                         f"compute_dtype={p.compute_dtype}: every forward of the trainer's model runs TE's FP8 "
+                         "GEMMs, so no shadow runs in another precision; set policy.precision.shadow_dtype="
+                         f"{p.compute_dtype} (the ratio and beta are then the FP8 trainer's own)")
+    if p.generation_dtype == FP8 and ratio == "train":
+        logger.warning(
+            "policy.precision.generation_dtype=fp8 with compute_dtype=%s and loss_fn.ratio=train: phantom clipping "
+            "is expected. Fixes: policy.precision.shadow_dtype=fp8 loss_fn.ratio=shadow (the trainer's ratio from "
+            "the generator's FP8 forward), a correction (loss_fn.correction=tis), or bf16 first / last layers "
+            "(policy.precision.fp8.num_first_layers_in_bf16=2 num_last_layers_in_bf16=2).", p.compute_dtype)
+    elif p.compute_dtype != p.generation_dtype and ratio == "train":
+        logger.warning(
+            "policy.precision.compute_dtype=%s differs from generation_dtype=%s with loss_fn.ratio=train: "
+            "phantom clipping is expected. Fixes: match the precisions (compute_dtype=%s, or float16 for both), "
+            "or loss_fn.ratio=shadow.", p.compute_dtype, p.generation_dtype, p.generation_dtype)
 
 
 # ---- building dataclasses from plain dicts, strictly -----------------------------------------------------

@@ -18,6 +18,7 @@ from megatron_grpo.models.qwen3 import (
     transformer_config,
     unwrap,
 )
+from megatron_grpo.models.fp8 import Fp8Recipe, attach_recipe
 from megatron_grpo.models.weights import load_hf_weights
 from megatron_grpo.parallel.stages import PipelineSplit
 
@@ -25,13 +26,16 @@ from megatron_grpo.parallel.stages import PipelineSplit
 def build_from_hf(model_dir: str, *, params_dtype: torch.dtype = torch.float32, router_dtype: str = "fp32",
                   backend: str = "auto", load_weights: bool = True, moe_aux_loss_coeff: float = 0.0,
                   moe_z_loss_coeff: float = 0.0, sequence_parallel: Optional[bool] = None,
-                  fp8_training: Optional[Tuple[str, str]] = None, pipeline_split: Optional[PipelineSplit] = None):
+                  fp8_training: Optional[Tuple[str, str]] = None, pipeline_split: Optional[PipelineSplit] = None,
+                  fp8_recipe: Optional[Fp8Recipe] = None):
     """Builds this rank's Megatron ``GPTModel`` for an HF checkpoint dir of a supported family (parallel
     state must be set).
 
     ``sequence_parallel``: ``policy.megatron_cfg.sequence_parallel`` (None = on when TP > 1); ``fp8_training``:
     (``policy.megatron_cfg.fp8``, ``fp8_recipe``) for Transformer Engine's FP8 training GEMMs, None = off;
-    ``pipeline_split``: how the layers split over the pipeline stages (None: evenly).
+    ``pipeline_split``: how the layers split over the pipeline stages (None: evenly); ``fp8_recipe``:
+    ``policy.precision.fp8.recipe()``, the settings of the model's fp8 forwards (``models.forward.fp8_context``;
+    the generator's / the shadow's FP8), None: the model cannot run one.
     Returns ``(model, shape)``; the model holds the checkpoint's weights unless ``load_weights=False``.
     """
     from megatron.core import parallel_state as ps
@@ -48,6 +52,7 @@ def build_from_hf(model_dir: str, *, params_dtype: torch.dtype = torch.float32, 
         pipeline_split=pipeline_split,
     )
     model = build_gpt_model(shape, config, backend=backend)
+    attach_recipe(model, fp8_recipe)
     if load_weights:
         load_hf_weights(model, model_dir, shape)
     return model, shape

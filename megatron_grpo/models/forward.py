@@ -4,19 +4,24 @@ Sequences are right-padded (prompt + completion + pad), so causal attention need
 mask: padding only follows valid tokens. The model may see them otherwise (packed rows,
 token-budget micro-batches: ``models/packing.py``); log-probs come back in the padded layout.
 Log-probs come from the vocab-parallel, chunked ``token_log_probs`` and are fp32.
+
+Precisions are torch dtypes; ``torch.float8_e4m3fn`` (``config.precision.to_dtype("fp8")``) stands for the FP8
+precision of the generator and the shadow: bf16 autocast around the FP8 linears of ``models/fp8.py``
+(``precision_context`` + ``fp8_context``), with the recipe the model was built with (``fp8.attach_recipe``).
 """
 
 from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import List, Optional, Sequence
+from typing import Dict, Iterator, List, Optional, Sequence
 
 import torch
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from megatron_grpo.compat.megatron import stage_output_dtype
 from megatron_grpo.models import forward_logits, unwrap
+from megatron_grpo.models.fp8 import FP8_DTYPE, OUTPUT_DTYPE, QuantizedWeight, fp8_forward, recipe_of
 from megatron_grpo.models.packing import MicroBatch, PlanSpec, build_plan
 from megatron_grpo.parallel import comm
 from megatron_grpo.parallel.logprobs import token_log_probs
@@ -59,8 +64,16 @@ def pack(sequences: Sequence[Sequence[int]], prompt_lens: Sequence[int], pad_id:
     return PackedBatch(ids, labels, mask)
 
 
+def around_dtype(precision: torch.dtype) -> torch.dtype:
+    """The dtype a precision's forward runs in outside its GEMMs: bf16 for fp8 (FP8 GEMMs write bf16, and
+    vLLM runs the rest of an fp8 model in bf16), else the precision itself."""
+    return OUTPUT_DTYPE if precision == FP8_DTYPE else precision
+
+
 def precision_context(compute_dtype: torch.dtype, params_dtype: torch.dtype):
-    """Autocast to ``compute_dtype`` when it is lower than the params' dtype, else nothing."""
+    """Autocast to ``compute_dtype`` when it is lower than the params' dtype, else nothing; fp8: autocast
+    to bf16 (the FP8 linears themselves: ``fp8_context``)."""
+    compute_dtype = around_dtype(compute_dtype)
     if compute_dtype == params_dtype or compute_dtype == torch.float32:
         return contextlib.nullcontext()
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -68,13 +81,37 @@ def precision_context(compute_dtype: torch.dtype, params_dtype: torch.dtype):
 
 
 @contextlib.contextmanager
+def fp8_context(model, precision: torch.dtype,
+                weights: Optional[Dict[str, QuantizedWeight]] = None) -> Iterator[Optional[Dict[str, QuantizedWeight]]]:
+    """With the fp8 precision, ``model``'s FP8 linears compute the emulated FP8 GEMM (``fp8.fp8_forward``)
+    with the model's recipe on ``weights`` (default: this rank's weights, quantized once on entry), and the
+    block yields those quantized weights; other precisions: nothing (yields None). Re-entrant: inside an
+    active fp8 context of the same model, the outer one's bytes are used (the megatron generator quantizes
+    once per ``generate``: its decode loop and its scoring forward run on the same bytes)."""
+    gpt = unwrap(model)
+    active = getattr(gpt, "fp8_weights_in_use", None)
+    assert active is None or precision == FP8_DTYPE, f"a {precision} forward inside an fp8 forward of the model"
+    if precision != FP8_DTYPE or active is not None:
+        yield active
+        return
+    with fp8_forward(gpt, recipe_of(gpt), weights) as quantized:
+        gpt.fp8_weights_in_use = quantized
+        try:
+            yield quantized
+        finally:
+            gpt.fp8_weights_in_use = None
+
+
+@contextlib.contextmanager
 def pipeline_dtype(model, compute_dtype: torch.dtype, params_dtype: torch.dtype):
     """Sets the dtype of the activations (and their gradients) the pipeline stages exchange to what
     a stage outputs under ``precision_context`` (the receiving stage allocates its buffer in
     ``config.pipeline_dtype``): the dtype of a stage's last residual add, which depends on
-    Megatron-Core's version under autocast (``compat.megatron.stage_output_dtype``)."""
+    Megatron-Core's version under autocast (``compat.megatron.stage_output_dtype``); fp8 as bf16 (its
+    linears write bf16)."""
     config = unwrap(model).config
-    previous, config.pipeline_dtype = config.pipeline_dtype, stage_output_dtype(compute_dtype, params_dtype)
+    output = stage_output_dtype(around_dtype(compute_dtype), params_dtype)
+    previous, config.pipeline_dtype = config.pipeline_dtype, output
     try:
         yield
     finally:
@@ -92,8 +129,9 @@ def forward_log_probs(model, batch: PackedBatch, *, compute_dtype: torch.dtype, 
                       temperature: float = 1.0, tp_group=None, micro_batch_size: int = 8,
                       plan: Optional[List[MicroBatch]] = None) -> torch.Tensor:
     """No-grad log-probs ``[B, S]`` of ``batch.labels`` at the model's current weights in
-    ``compute_dtype``, through Megatron's forward-only schedule (pipeline stages pass activations;
-    the last stage computes the log-probs and every stage gets them). ``plan``: the micro-batches
+    ``compute_dtype`` (fp8: quantized once for the whole pass, ``fp8_context``), through Megatron's
+    forward-only schedule (pipeline stages pass activations; the last stage computes the log-probs and
+    every stage gets them). ``plan``: the micro-batches
     (``models/packing.py``: padded, token-budget or packed rows); default ``micro_batch_size`` padded
     rows, with PP > 1 padded to whole micro-batches (the P2P buffers have one shape)."""
     device = model_device(model)
@@ -117,7 +155,7 @@ def forward_log_probs(model, batch: PackedBatch, *, compute_dtype: torch.dtype, 
         return logits, collect
 
     rows, width = plan[0].input_ids.shape
-    with torch.no_grad(), pipeline_dtype(model, compute_dtype, params_dtype):
+    with torch.no_grad(), pipeline_dtype(model, compute_dtype, params_dtype), fp8_context(model, compute_dtype):
         get_forward_backward_func()(
             forward_step_func=forward_step, data_iterator=iter(plan), model=model, num_microbatches=len(plan),
             seq_length=width, micro_batch_size=rows, forward_only=True)

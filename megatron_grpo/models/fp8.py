@@ -191,3 +191,22 @@ def fp8_forward(gpt_model, recipe: Fp8Recipe, weights: Optional[Dict[str, Quanti
                 del module._forward_impl
             else:
                 module._forward_impl = previous
+
+
+# ---- the model's recipe ---------------------------------------------------------------------------------------
+
+
+def attach_recipe(gpt_model, recipe: Optional[Fp8Recipe]) -> None:
+    """Gives ``gpt_model`` (the bare ``GPTModel``) the FP8 settings its FP8 forwards use: set once, where the
+    model is built (``models.build_from_hf(fp8_recipe=...)``, from ``policy.precision.fp8``), so that every
+    forward that names the fp8 precision (shadow, megatron generator, parity probe) quantizes the same way."""
+    gpt_model.fp8_recipe = recipe
+
+
+def recipe_of(gpt_model) -> Fp8Recipe:
+    """The recipe :func:`attach_recipe` gave the model; a ``ValueError`` when it was built without one."""
+    recipe = getattr(gpt_model, "fp8_recipe", None)
+    if recipe is None:
+        raise ValueError("an fp8 forward of a model built without FP8 settings: build it with "
+                         "build_from_hf(..., fp8_recipe=policy.precision.fp8.recipe())")
+    return recipe

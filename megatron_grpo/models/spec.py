@@ -121,10 +121,15 @@ def _use_te_quietly(backend: str) -> bool:
     return backend == "te" or (backend == "auto" and te_usable())
 
 
-def resolve_backend(backend: str, compute_dtype: torch.dtype) -> str:
+def resolve_backend(backend: str, compute_dtype: torch.dtype, fp8: bool = False) -> str:
     """The layer backend to build: ``auto`` picks Transformer Engine when usable, except with fp32
     compute, where Megatron's local layers run torch GEMMs with TF32 off (true fp32, as the
-    write-up's fp32 trainer; TE's cuBLASLt GEMMs may compute fp32 inputs in TF32)."""
+    write-up's fp32 trainer; TE's cuBLASLt GEMMs may compute fp32 inputs in TF32), and with ``fp8``
+    (an fp8 generator or shadow: ``models/fp8.py`` patches Megatron's local linears; ``te`` is refused
+    at config time)."""
+    if backend == "auto" and fp8 and te_usable():
+        logger.info("fp8 generation / shadow: Megatron's local layers (the FP8 forward runs their linears)")
+        return "local"
     if backend == "auto" and compute_dtype == torch.float32 and te_usable():
         logger.info("compute_dtype=float32: Megatron's local layers (true fp32 GEMMs) instead of Transformer Engine")
         return "local"

@@ -90,7 +90,12 @@ def sampled_note(rows: Sequence[Dict[str, Any]], key: str) -> str:
 def _precision(config: Optional[Dict[str, Any]]) -> Dict[str, Any]:
     p = (config or {}).get("policy", {}).get("precision", {})
     return {"params": p.get("params_dtype"), "compute": p.get("compute_dtype"),
-            "generation": p.get("generation_dtype"), "shadow": p.get("shadow_dtype")}
+            "generation": p.get("generation_dtype"), "shadow": p.get("shadow_dtype"), "fp8": p.get("fp8") or {}}
+
+
+def _fp8_generator(config: Optional[Dict[str, Any]]) -> bool:
+    """The generator runs FP8 (the trainer never does here: compute_dtype is float32 / bfloat16 / float16)."""
+    return _precision(config)["generation"] == "fp8"
 
 
 def _loss(config: Optional[Dict[str, Any]]) -> Dict[str, Any]:
@@ -99,6 +104,8 @@ def _loss(config: Optional[Dict[str, Any]]) -> Dict[str, Any]:
 
 def precision_fixes(config: Optional[Dict[str, Any]]) -> List[str]:
     """MECHANISM.md's fixes, strongest first, as the overrides to type (those already in effect left out)."""
+    if _fp8_generator(config):
+        return fp8_fixes(config)
     p, loss = _precision(config), _loss(config)
     gen = p["generation"] or "bfloat16"
     fp32_params = "" if p["params"] in (None, "float32") else "policy.precision.params_dtype=float32 "
@@ -120,10 +127,33 @@ def precision_fixes(config: Optional[Dict[str, Any]]) -> List[str]:
     return fixes
 
 
+def fp8_fixes(config: Optional[Dict[str, Any]]) -> List[str]:
+    """An fp8 generator beside a bf16 / fp32 trainer, the field's fixes strongest first (those in effect left
+    out): the PPO ratio from the generator's own FP8 forward (miles' "unified FP8", NeMo-RL's QARL: with the
+    megatron generator it is the generator's computation exactly), an importance-sampling correction of the gap
+    (verl's FP8 rollouts), and bf16 first / last decoder layers (a smaller gap)."""
+    p, loss = _precision(config), _loss(config)
+    fixes = []
+    if p["shadow"] != "fp8" or loss.get("ratio", "train") != "shadow":
+        fixes.append("take the PPO ratio from the generator's FP8 forward, the shadow (\"unified FP8\"; gradients "
+                     "still from the trainer's pass): policy.precision.shadow_dtype=fp8 loss_fn.ratio=shadow")
+    if not loss.get("correction"):
+        fixes.append("correct the rollout gap by truncated importance sampling: loss_fn.correction=tis")
+    if not (p["fp8"].get("num_first_layers_in_bf16") or p["fp8"].get("num_last_layers_in_bf16")):
+        fixes.append("keep the first and last decoder layers in bf16 (a smaller gap): "
+                     "policy.precision.fp8.num_first_layers_in_bf16=2 policy.precision.fp8.num_last_layers_in_bf16=2")
+    return fixes
+
+
 def _dtypes_sentence(config: Optional[Dict[str, Any]]) -> str:
     p = _precision(config)
     if p["compute"] is None:
         return "the trainer's and the generator's precisions differ (no config.yaml in the run dir to name them)"
+    if _fp8_generator(config):
+        f8 = p["fp8"]
+        blocks = f" (blockwise e4m3, blocks {f8.get('weight_block_size')} / {f8.get('activation_block_size')})" \
+            if f8 else ""
+        return f"an fp8 generator{blocks} beside a {p['compute']} trainer"
     return f"the trainer computes in {p['compute']} while the generator runs {p['generation']}"
 
 
@@ -135,9 +165,11 @@ def check_phantom(rows, config) -> List[Finding]:
     if not math.isfinite(phantom) or phantom <= PHANTOM_ZERO_GRAD:
         return []
     region = mean(series(rows, "clip/phantom_region_fraction"))
+    beta_max = max(series(rows, "precision/beta_abs_max"), default=math.nan)
     message = (f"phantom clipping zeroes {phantom:.1%} of token gradients (legitimate: {legit:.1%}; "
                f"{region:.1%} of tokens pushed outside the trust region by the precision gap, mean |beta| "
-               f"{beta:.2e}){sampled_note(rows, 'clip/phantom_zero_grad_fraction')}; {_dtypes_sentence(config)}")
+               f"{beta:.2e}{'' if math.isnan(beta_max) else f', max |beta| {beta_max:.2e}'})"
+               f"{sampled_note(rows, 'clip/phantom_zero_grad_fraction')}; {_dtypes_sentence(config)}")
     return [Finding("phantom_clipping", "problem", message, precision_fixes(config))]
 
 

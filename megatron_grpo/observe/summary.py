@@ -30,6 +30,22 @@ def _edges(values: Sequence[float]) -> Dict[str, Optional[float]]:
     return {"first": _finite(mean(values[:WINDOW])), "last": _finite(mean(values[-WINDOW:]))}
 
 
+def precision_sentence(config: Optional[Dict[str, Any]]) -> Optional[str]:
+    """The run's precisions as the config names them (fp8 with its settings); None without a config."""
+    p = (config or {}).get("policy", {}).get("precision")
+    if not p:
+        return None
+    text = (f"params {p.get('params_dtype')}, trainer {p.get('compute_dtype')}, generator {p.get('generation_dtype')}, "
+            f"shadow {p.get('shadow_dtype')}")
+    f8 = p.get("fp8") or {}
+    if "fp8" in (p.get("generation_dtype"), p.get("shadow_dtype")) and f8:
+        pow2 = [name for name in ("weight", "activation") if f8.get(f"use_{name}_pow2_scale")]
+        text += (f" (fp8: e4m3 weight blocks {f8.get('weight_block_size')}, activation groups "
+                 f"{f8.get('activation_block_size')}, bf16 layers {f8.get('num_first_layers_in_bf16', 0)} first / "
+                 f"{f8.get('num_last_layers_in_bf16', 0)} last, pow2 scales: {' and '.join(pow2) or 'none'})")
+    return text
+
+
 def summarize(rows: Sequence[Dict[str, Any]], config: Optional[Dict[str, Any]], *, wall_s: Optional[float] = None,
               planned_steps: Optional[int] = None, stopped: Optional[str] = None) -> Dict[str, Any]:
     """The summary as a JSON-able dict (every number computed from ``rows``, except ``wall_s``)."""
@@ -40,6 +56,7 @@ def summarize(rows: Sequence[Dict[str, Any]], config: Optional[Dict[str, Any]], 
         "steps": int(rows[-1]["step"]) if rows else 0,
         "planned_steps": planned_steps,
         "stopped": stopped,
+        "precision": precision_sentence(config),
         "wall_s": _finite(wall_s) if wall_s is not None else sum(series(rows, "time/step_s")),
         "timing_s": timing,
         "reward": {"first": reward[0] if reward else None, "last": reward[-1] if reward else None,
@@ -90,6 +107,8 @@ def format_summary(s: Dict[str, Any]) -> str:
         f"reward: first {_num(r['first'])}, last {_num(r['last'])}, best {_num(r['best'])}; "
         f"completion length: {_num(n['first'], '.1f')} -> {_num(n['last'], '.1f')}",
     ]
+    if s.get("precision"):
+        lines.append(f"precision: {s['precision']}")
     b, ph, pz, lz = (s[name] for name in EDGE_METRICS)
     sampled = _sampled(s, "precision")
     lines.append(f"first -> last {WINDOW} {'sampled ' if sampled else ''}steps{sampled}: mean |beta| "

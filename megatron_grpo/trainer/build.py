@@ -31,7 +31,7 @@ from megatron_grpo.rollout.parity import ProbeBatch
 from megatron_grpo.rollout.pool import EnginePool, available_cpus, check_engine_shape, cpu_bindings, engine_placement
 from megatron_grpo.rollout.transfer.transport import resolve_transport
 from megatron_grpo.trainer.data import PromptSampler, load_prompts, load_tokenizer
-from megatron_grpo.trainer.layout import (check_machine, check_model_options, fp8_engine_block, layout_of,
+from megatron_grpo.trainer.layout import (check_fp8, check_machine, check_model_options, fp8_engine_block, layout_of,
                                           resolve_model_dir)
 from megatron_grpo.trainer.optim import Optimizer, wrap_model
 from megatron_grpo.trainer.rewards import get_reward_fn
@@ -95,6 +95,7 @@ def build_context(cfg: Config) -> TrainContext:
     _check_batch(cfg, layout)
     check_model_options(cfg, shape, runtime=True)
     check_machine(cfg)
+    check_fp8(cfg, shape, layout)
     check_engine_shape(cfg.generation, shape, fp8_engine_block(cfg))
     if layout.cp > 1:
         raise ValueError("policy.megatron_cfg.context_parallel_size > 1 is validated by --dry-run only; "
@@ -102,11 +103,12 @@ def build_context(cfg: Config) -> TrainContext:
     state.initialize_model_parallel(layout, seed=cfg.grpo.seed, timeout_minutes=cfg.cluster.distributed_timeout_minutes)
     reward_fn = get_reward_fn(cfg.reward.name)
     p, m = cfg.policy.precision, cfg.policy.megatron_cfg
-    backend = resolve_backend(m.transformer_impl, to_dtype(p.compute_dtype))
+    backend = resolve_backend(m.transformer_impl, to_dtype(p.compute_dtype), fp8=p.uses_fp8)
     model, shape = build_from_hf(model_dir, params_dtype=to_dtype(p.params_dtype), router_dtype=m.moe_router_dtype,
                                  backend=backend, moe_aux_loss_coeff=m.moe_aux_loss_coeff,
                                  moe_z_loss_coeff=m.moe_z_loss_coeff, sequence_parallel=m.sequence_parallel,
-                                 fp8_training=m.fp8_training, pipeline_split=layout.split)
+                                 fp8_training=m.fp8_training, pipeline_split=layout.split,
+                                 fp8_recipe=p.fp8.recipe())
     ref_model = None
     if cfg.loss_fn.reference_policy_kl_penalty > 0:
         ref_model, _ = build_from_hf(model_dir, params_dtype=to_dtype(p.params_dtype), backend=backend,

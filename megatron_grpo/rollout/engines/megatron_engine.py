@@ -14,7 +14,9 @@ lengths mean many small batches; vLLM remains the engine for throughput.
 
 Contract (that of ``rollout/types.py``, as the vLLM engine):
 
-- dtype: ``policy.precision.generation_dtype``, through the trainer's ``precision_context``.
+- dtype: ``policy.precision.generation_dtype``, through the trainer's ``precision_context``; fp8: bf16 around
+  the FP8 linears (``fp8_context``), the weights quantized once per ``generate`` call, so the decode loop and
+  the scoring forward run on the same bytes (those the shadow forward of the same weights quantizes).
 - seeds: completion i of prompt p samples with its own generator seeded ``seed + p * n + i``
   (exponential race over ``softmax(logits / T)`` in fp32, vLLM's method), and rows are batched
   only with rows of the same prompt length; results do not depend on batch composition.
@@ -61,6 +63,7 @@ from megatron_grpo.models.forward import (
     PackedBatch,
     completion_scores,
     forward_log_probs,
+    fp8_context,
     model_device,
     pack,
     precision_context,
@@ -127,12 +130,13 @@ class MegatronEngine(RolloutEngine):
         prompts = [list(p) for p in prompt_token_ids]
         rows = [_Row(prompts[k // n], torch.Generator().manual_seed(base + k))
                 for k in range(len(prompts) * n)[self._shard(len(prompts) * n)]]
-        with self._inference_mode():
-            for group in _by_prompt_length(rows):
-                self._decode(group, sampling)
-        done = self._gather([(r.tokens, r.finish_reason) for r in rows])
-        seqs = [prompts[k // n] + tokens for k, (tokens, _) in enumerate(done)]
-        logprobs = self._score_rows(seqs, [len(prompts[k // n]) for k in range(len(done))], sampling.temperature)
+        with fp8_context(self.model, self.dtype):  # fp8: one quantization for the decode loop and the scoring
+            with self._inference_mode():
+                for group in _by_prompt_length(rows):
+                    self._decode(group, sampling)
+            done = self._gather([(r.tokens, r.finish_reason) for r in rows])
+            seqs = [prompts[k // n] + tokens for k, (tokens, _) in enumerate(done)]
+            logprobs = self._score_rows(seqs, [len(prompts[k // n]) for k in range(len(done))], sampling.temperature)
         mine = logprobs[self._shard(len(done))]
         self.decode_gap_max = max((abs(a - b) for r, lp in zip(rows, mine) for a, b in zip(r.decode_logprobs, lp)),
                                   default=0.0)
