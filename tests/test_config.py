@@ -229,7 +229,8 @@ def _fp8_check(fp8, shape=None, tp=1, etp=1, **precision):
     from megatron_grpo.parallel.state import Layout
     from megatron_grpo.trainer.layout import check_fp8
 
-    cfg = from_dict(Config, {"policy": {"precision": {"generation_dtype": "fp8", "fp8": fp8, **precision}}})
+    cfg = from_dict(Config, {"policy": {"precision": {"generation_dtype": "fp8", "fp8": fp8, **precision}},
+                             "generation": {"backend": "megatron"}})  # vLLM's own block rules: test_fp8_push
     check_fp8(cfg, ModelShape(**dict(SMOLLM2, **(shape or {}))), Layout(world_size=tp * etp, tp=tp, etp=etp))
 
 
