@@ -68,10 +68,15 @@ class StagePlan:
 def plan_push(engines: Sequence, keys: Sequence[int], version: int, num_stages: int, *, same_host: bool = True,
               bucket_bytes: int = 0, max_in_flight: int = 2) -> Optional[StagePlan]:
     """Rank 0: the plan of a push from every stage to ``engines`` (pool indices ``keys``), or None where the stages
-    go through rank 0 (vLLM's nccl / ipc engines; files with stage leaders on another host). ``same_host``: every
-    stage leader runs on rank 0's node; ``bucket_bytes``: the push's bucket size (the file folder must hold
-    ``max_in_flight`` of them per stage). gloo: each transfer gets one sender per stage (re-opened if it had
-    another count)."""
+    go through rank 0 (vLLM's nccl / ipc engines; files with stage leaders on another host; ``num_stages`` 1).
+    ``same_host``: every stage leader runs on rank 0's node; ``bucket_bytes``: the push's bucket size (the file
+    folder must hold ``max_in_flight`` of them per stage). gloo: each transfer gets one sender per stage
+    (re-opened if it had another count)."""
+    if num_stages == 1:  # rank 0 alone sends: a gloo transfer opened for several senders opens again for one
+        for transfer in (getattr(e, "transfer", None) for e in engines):
+            if transfer is not None and transfer.backend == "gloo":
+                transfer.set_senders(1)
+        return None
     kinds = {getattr(e, "weight_transfer", None) for e in engines}
     if len(kinds) != 1 or not engines:
         return None

@@ -399,6 +399,8 @@ def push_weights(model, shape, engine, version: int, *, dtype: torch.dtype, buck
     plan = None
     if ps.get_pipeline_model_parallel_world_size() > 1 and from_every_stage:
         plan = _stage_plan(engine, version, bucket_bytes)
+    elif _my_rank() == 0 and hasattr(engine, "stage_plan"):
+        engine.stage_plan(version, 1)  # one sender again (a gloo group opened for every stage is re-opened)
     if delta is not None and ps.get_pipeline_model_parallel_world_size() > 1 and plan is None:
         _warn_once("generation.delta_push: this pipeline-parallel push goes through rank 0 (stages > 0 forward "
                    "their tensors without change masks): full weights")
