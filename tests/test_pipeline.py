@@ -8,6 +8,7 @@ serves every check of these; ``--dry-run`` counts each stage's layers of the 94-
 import importlib.util
 import os
 import sys
+import time
 
 import pytest
 import torch
@@ -81,7 +82,7 @@ def _stage_pushes(model, shape, recipe, gloo):
     from megatron_grpo.rollout.transfer.weight_sync import push_weights
     from tests._generators import FileGenerator, GlooGenerator, trainer_sends
 
-    rank0, out = int(os.environ["RANK"]) == 0, {}
+    rank0, out, started = int(os.environ["RANK"]) == 0, {}, time.perf_counter()
     file_gen, delta = EnginePool(lambda i: FileGenerator(), 2) if rank0 else None, D.DeltaState()  # 2 readers
     runs = [("bf16", file_gen, torch.bfloat16, delta)] + ([("fp8", FileGenerator() if rank0 else None, FP8_DTYPE,
                                                             None)] if recipe else [])
@@ -99,6 +100,7 @@ def _stage_pushes(model, shape, recipe, gloo):
         STAGE_SENDERS.close()
         if rank0:
             gloo_gen.close()
+    out["seconds"] = time.perf_counter() - started
     return out, (file_gen, delta)
 
 
@@ -116,13 +118,14 @@ def _delta_push_after_step(model, shape, gen, delta):
     from megatron_grpo.rollout.transfer.weight_sync import push_weights
     from tests._generators import FileGenerator, trainer_sends
 
-    funnel = FileGenerator() if gen is not None else None
+    funnel, started = FileGenerator() if gen is not None else None, time.perf_counter()
     with trainer_sends() as sent_delta:
         report = push_weights(model, shape, gen, 2, dtype=torch.bfloat16, bucket_mb=0.02, delta=delta)
     with trainer_sends() as sent_funnel:
         push_weights(model, shape, funnel, 2, dtype=torch.bfloat16, bucket_mb=0.02, from_every_stage=False)
     return dict(delta=None if gen is None else dict(_held(gen)), funnel=None if gen is None else funnel.weights,
-                full=report.full, sent_delta=sum(b for _, b in sent_delta), sent_funnel=sum(b for _, b in sent_funnel))
+                full=report.full, sent_delta=sum(b for _, b in sent_delta), sent_funnel=sum(b for _, b in sent_funnel),
+                seconds=time.perf_counter() - started)
 
 
 def _refuse_pickled_tensors():
