@@ -184,16 +184,13 @@ def fan_out(buckets: Iterable[Bucket], engines: Sequence, version: int, *, names
     ownership of ``path`` and unlinks it once read), ``end_weight_push(version)``. The buckets are
     consumed completely even when an engine fails (the gathers behind them are collective). The
     first engine error is re-raised after every engine has finished, with ``engine_index`` set.
-    ``stages`` (``stage_push.StageFiles``): pipeline stages > 0 publish their files themselves; each is
-    handed to every engine as it becomes ready, beside ``buckets`` (stage 0's), and a stage's error ends the
-    push on every engine (as a failed gather does).
+    ``stages`` (``stage_push.StageFiles``): stages > 0's files, handed to every engine as they become ready
+    beside ``buckets`` (stage 0's); a stage's error ends the push on every engine (as a failed gather does).
     """
     fanout = SharedFileFanout(len(engines), max_in_flight=max_in_flight)
-    feeds = [queue.Queue() for _ in engines]
+    feeds, done = [queue.Queue() for _ in engines], [threading.Event() for _ in engines]
     errors: List[BaseException] = [None] * len(engines)
-    done = [threading.Event() for _ in engines]
-    pushed: List[str] = []
-    lock, aborted = threading.Lock(), []
+    pushed, lock, aborted = [], threading.Lock(), []
 
     def feed(r: int) -> None:
         try:
@@ -208,22 +205,16 @@ def fan_out(buckets: Iterable[Bucket], engines: Sequence, version: int, *, names
             else:
                 feeds[r].put(path)
 
+    def reading(r: int) -> bool:
+        return not done[r].is_set() and _alive(engines[r])
+
     with ThreadPoolExecutor(max_workers=len(engines) + 1, thread_name_prefix="weight-push") as pool:
         futures = [pool.submit(feed, r) for r in range(len(engines))]
-        collector = None if stages is None else pool.submit(
-            stages.collect, dispatch, lambda r: not done[r].is_set() and _alive(engines[r]))
+        collector = None if stages is None else pool.submit(stages.collect, dispatch, reading)
         try:
             for bucket in buckets:
                 pushed.extend(name for name, _ in bucket)
-                fanout.wait_for_room(lambda r: not done[r].is_set() and _alive(engines[r]))
-                live = [r for r in range(len(engines)) if not done[r].is_set()]
-                if not live:
-                    continue  # every engine failed: keep gathering (collective), publish nothing
-                for r, path in enumerate(fanout.publish(bucket)):
-                    if r in live:
-                        feeds[r].put(path)
-                    else:
-                        _unlink(path)
+                _publish(fanout, bucket, feeds, reading, done)
             failure = None if collector is None else collector.result()
             if failure is not None:
                 raise PushAborted(failure)
@@ -245,6 +236,20 @@ def fan_out(buckets: Iterable[Bucket], engines: Sequence, version: int, *, names
                 stages.close()
     _raise_first(errors, names)
     return pushed
+
+
+def _publish(fanout: SharedFileFanout, bucket: Bucket, feeds, reading, done) -> None:
+    """One bucket written once and handed to the engines still reading (none left: the gathers go on, nothing
+    is written)."""
+    fanout.wait_for_room(reading)
+    live = [r for r in range(len(feeds)) if not done[r].is_set()]
+    if not live:
+        return
+    for r, path in enumerate(fanout.publish(bucket)):
+        if r in live:
+            feeds[r].put(path)
+        else:
+            _unlink(path)
 
 
 def _feed_files(engine, paths: Iterable, version: int):
