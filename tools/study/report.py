@@ -1,11 +1,11 @@
 """One Markdown (optionally HTML) report for a sweep folder (same as ``megatron-grpo report``).
 
 The report lives in ``megatron_grpo.observe.plots``; this script is kept for existing commands. ``--writeup`` and
-``--regime`` hand over to ``tools/writeup.py --report`` / ``tools/writeup_regime.py --page`` (child processes).
+``--regime`` hand over to ``tools/study/writeup.py --report`` / ``tools/study/writeup_regime.py --page`` (child processes).
 
-    python tools/report.py runs/sweep-tiny [--seed 0] [--html]
-    python tools/report.py runs/writeup-pretrained --writeup docs/results/writeup-reproduction.md
-    python tools/report.py runs/writeup-regime --regime docs/results/writeup-regime.md --export docs/results/writeup-regime
+    python tools/study/report.py runs/sweep-tiny [--seed 0] [--html]
+    python tools/study/report.py runs/writeup-pretrained --writeup docs/results/writeup-reproduction.md
+    python tools/study/report.py runs/writeup-regime --regime docs/results/writeup-regime.md --export docs/results/writeup-regime
 """
 
 from __future__ import annotations

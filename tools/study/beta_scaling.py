@@ -19,8 +19,8 @@ exist), this tool
 Writes OUT/beta_scaling.md, OUT/beta_scaling.csv and OUT/beta_scaling.png (if matplotlib
 imports). bf16/fp16 are emulated on most CPUs (5-45x slower than fp32): keep grids small.
 
-    python tools/beta_scaling.py --out runs/beta-scaling
-    python tools/beta_scaling.py --out runs/beta-scaling-pretrained --model-dirs DIR1 DIR2 ...
+    python tools/study/beta_scaling.py --out runs/beta-scaling
+    python tools/study/beta_scaling.py --out runs/beta-scaling-pretrained --model-dirs DIR1 DIR2 ...
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ def make_grid(root: str, depths: Sequence[int], widths: Sequence[int], seed: int
 
 
 def pretrain_grid(root: str, shapes: Sequence[str], steps: int, seed: int) -> List[str]:
-    """Pretrains one Qwen3 per ``LxD`` shape with ``tools/pretrain.py`` (stdlib corpus, ``steps`` steps; skipped when
+    """Pretrains one Qwen3 per ``LxD`` shape with ``tools/study/pretrain.py`` (stdlib corpus, ``steps`` steps; skipped when
     ``root/qwen3-L{L}-d{D}/config.json`` exists) and returns its random-init (``init/``) and pretrained dirs."""
     import subprocess
 
@@ -89,7 +89,7 @@ def pretrain_grid(root: str, shapes: Sequence[str], steps: int, seed: int) -> Li
 
 
 def model_kind(model_dir: str) -> tuple:
-    """(name, kind): ``X/init`` (tools/pretrain.py's starting point) is X's random init, else as pretrained when
+    """(name, kind): ``X/init`` (tools/study/pretrain.py's starting point) is X's random init, else as pretrained when
     the dir has a MODEL_CARD.json, random-init otherwise."""
     path = os.path.normpath(model_dir)
     if os.path.basename(path) == "init" and os.path.isfile(os.path.join(os.path.dirname(path), "MODEL_CARD.json")):
@@ -269,7 +269,7 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser.add_argument("--model-dirs", nargs="+", default=None,
                         help="HF Qwen3 checkpoint dirs to measure instead of the random-init grid (e.g. pretrained)")
     parser.add_argument("--pretrained-shapes", nargs="+", default=None, metavar="LxD",
-                        help="pretrain one model per shape (tools/pretrain.py, OUT/pretrained/) and measure it and "
+                        help="pretrain one model per shape (tools/study/pretrain.py, OUT/pretrained/) and measure it and "
                              "its random init (with --model-dirs: in addition), instead of the random-init grid")
     parser.add_argument("--pretrain-steps", type=int, default=400, help="with --pretrained-shapes")
     return parser.parse_args(argv)
@@ -294,7 +294,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict:
             f"{r['dtype']}:|beta|={_fmt(r['beta_abs_mean'])}" for r in rows[-len(args.dtypes):]), flush=True)
     rows.sort(key=lambda r: (r["kind"], r["dtype"], r["d"], r["L"]))
     fits = fits_by_dtype(rows)
-    command = "python tools/beta_scaling.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = "python tools/study/beta_scaling.py " + " ".join(argv if argv is not None else sys.argv[1:])
     text = markdown(rows, fits, command) + f"Measured in {time.perf_counter() - start:.0f} s.\n"
     with open(os.path.join(args.out, "beta_scaling.md"), "w") as f:
         f.write("# beta scaling\n\n" + text)

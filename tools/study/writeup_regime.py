@@ -1,6 +1,6 @@
 """Issue 26: the write-up's failure in the write-up's regime, pre-registered and gated.
 
-``python tools/writeup_regime.py --out runs/writeup-regime`` (or ``python tools/sweep.py --grid writeup-regime
+``python tools/study/writeup_regime.py --out runs/writeup-regime`` (or ``python tools/study/sweep.py --grid writeup-regime
 ...``, which hands its arguments to this tool) runs, in order (each run
 resumable; the criteria are fixed in ``docs/results/preregistration-writeup-regime.md`` before any
 main run, and the constants below are the ones that page states):
@@ -12,7 +12,7 @@ main run, and the constants below are the ones that page states):
    :data:`MAIN_STEPS` steps;
 3. ``dose``: F (ratio 1: dose 0), B at the 1x and 2x phantom doses, :data:`DOSE_SEEDS` x
    :data:`DOSE_STEPS` steps;
-4. writes ``OUT/writeup-regime.md`` after every stage (``--page DOC`` or ``tools/report.py OUT --regime DOC``
+4. writes ``OUT/writeup-regime.md`` after every stage (``--page DOC`` or ``tools/study/report.py OUT --regime DOC``
    rewrites it anywhere, ``--export DIR`` copies every run's raw metrics.jsonl), verdicts by :func:`decide`.
 
 Every run: ``generation.backend=megatron`` (the trainer's own model generates: alpha is exact, no vLLM
@@ -35,7 +35,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from megatron_grpo.observe import experiments
 from megatron_grpo.observe.experiments import ci95, fmt_ci, md_table, paired_diffs, read_rows
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tools/<kind>/ -> the repo
 RECIPE = experiments.WRITEUP_RECIPE
 
 PREREG = "docs/results/preregistration-writeup-regime.md"
@@ -63,7 +63,7 @@ THRESHOLD = -4.0
 _BASE = ["generation.backend=megatron", "generation.max_staleness=0", f"policy.megatron_cfg.optimizer.lr={LR:g}"]
 _A = ["policy.precision.compute_dtype=bfloat16", "policy.precision.generation_dtype=bfloat16"]
 _B = ["policy.precision.compute_dtype=float32", "policy.precision.generation_dtype=bfloat16"]
-"""The write-up's A (bf16 trainer = bf16 generator) and B (fp32 trainer vs bf16 generator), as tools/writeup.py's."""
+"""The write-up's A (bf16 trainer = bf16 generator) and B (fp32 trainer vs bf16 generator), as tools/study/writeup.py's."""
 RUNS: Dict[str, List[str]] = {
     "scout-B": _BASE + _B + [f"loss_fn.ratio_clip_min={SCOUT_EPS:g}", f"loss_fn.ratio_clip_max={SCOUT_EPS:g}",
                              f"logger.token_dump_steps=[{','.join(str(s) for s in range(1, PROBE_STEPS + 1))}]"],
@@ -392,9 +392,9 @@ def write_page(out: str, doc: Optional[str] = None) -> str:
     passed = bool(state.get("gates")) and all(ok for _, ok, _ in state["gates"])
     lines = ["# The write-up's failure in the write-up's regime (issue 26; generated)", "",
              f"Pre-registration: [{os.path.basename(PREREG)}]({os.path.basename(PREREG)}) (criteria, runs and gates "
-             f"fixed before the main runs). Command: `python tools/sweep.py --grid writeup-regime --out "
+             f"fixed before the main runs). Command: `python tools/study/sweep.py --grid writeup-regime --out "
              f"{os.path.relpath(out, ROOT)}`; recipe `{RECIPE}` with `{' '.join(_BASE)}`; every number "
-             "is read from the runs' metrics.jsonl (raw files: `writeup-regime/`) by tools/writeup_regime.py.", "",
+             "is read from the runs' metrics.jsonl (raw files: `writeup-regime/`) by tools/study/writeup_regime.py.", "",
              headline(state, main, dose), "", "## The model", ""] + experiments.model_card_lines(os.path.join(ROOT, experiments.WRITEUP_MODEL_DIR)) + [
              "", "## Probe stage: eps and gates", ""] + _eps_section(state) + [""] + _gate_section(state)
     lines += ["", _wall_line(out)]

@@ -2,7 +2,7 @@
 
 Side by side in one run, each variant in its own subprocess (so peak memory is its own):
 peak extra resident memory over the input logits, and wall time of forward (+ backward).
-Prints the two ratios last. Usage: python tools/bench_logprobs.py [--tokens 8192] [--vocab 151936]
+Prints the two ratios last. Usage: python tools/bench/bench_logprobs.py [--tokens 8192] [--vocab 151936]
 """
 
 from __future__ import annotations

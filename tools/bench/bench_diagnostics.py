@@ -6,7 +6,7 @@ whole step, generation, the train phase (shadow forward + forward-backward + opt
 shadow forward, the deployed-improvement probe and the parity probe (``timing/parity_s``). Prints
 the mean seconds per step over the steps after the first (warm-up) and each one's share of a step.
 
-    python tools/bench_diagnostics.py [--backend megatron|vllm] [--steps 6] [key=value ...]
+    python tools/bench/bench_diagnostics.py [--backend megatron|vllm] [--steps 6] [key=value ...]
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import time
 
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tools/<kind>/ -> the repo
 
 
 def _sync() -> None:

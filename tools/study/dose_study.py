@@ -1,12 +1,12 @@
 """Issue 34 item 5: the mechanism at the write-up's dose, pre-registered (docs/results/preregistration-dose.md).
 
-``python tools/dose_study.py --out runs/dose`` runs, in order (each run resumable; the constants below are the
+``python tools/study/dose_study.py --out runs/dose`` runs, in order (each run resumable; the constants below are the
 ones the pre-registration states, checked by tests/test_dose_study.py):
 
 1. ``scout``: B at k = 1 (``loss_fn.ratio=gap_scaled``, the trainer's real gap), :data:`PROBE_STEPS` steps,
    seed 0, per-token dumps. From its tokens: k = :data:`TARGET_GAP` / mean |beta| (the write-up's mean |beta|
    on our model's token distribution) and the rarity-shaped k_t of B-rare (:func:`rare_scales`, SmolLM2's
-   measured profile from ``--profile``, ``tools/beta_real.py``'s CSV);
+   measured profile from ``--profile``, ``tools/study/beta_real.py``'s CSV);
 2. ``gates``: B, B2 and B-rare for :data:`PROBE_STEPS` steps, seed 0, checked by :func:`gates`;
 3. ``main``: every arm of :data:`ARMS`, :data:`SEEDS` x :data:`STEPS` steps, in :data:`BLOCKS` (the primary
    arms first, seed-major within a block), whatever the gates said (an arm whose gate failed is flagged on the page);
@@ -37,7 +37,7 @@ from writeup_regime import decide  # noqa: E402  (tools/ sibling: the same decis
 from megatron_grpo.observe import experiments  # noqa: E402
 from megatron_grpo.observe.experiments import ci95, fmt_ci, md_table, paired_diffs, read_rows  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tools/<kind>/ -> the repo
 RECIPE = experiments.WRITEUP_RECIPE
 PREREG = "docs/results/preregistration-dose.md"
 LR = 1e-4
@@ -59,7 +59,7 @@ SNR_MAX, PHANTOM_ZERO_MIN, LEGIT_MAX = 1.0, 0.10, 0.02
 """Gates on steps 1-3 of each probe: precision/snr_in_ratio < 1 (steps 2-3; step 1 has alpha = 0), mean
 clip/phantom_zero_grad_fraction >= 10%, clip/legit_region_fraction <= 2% at every step."""
 SMOLLM2_PAIR = "megatron fp32 vs vLLM bf16 (run B's pair)"
-"""The row of ``tools/beta_real.py``'s CSV whose rarity profile B-rare copies (SmolLM2's real generator pair)."""
+"""The row of ``tools/study/beta_real.py``'s CSV whose rarity profile B-rare copies (SmolLM2's real generator pair)."""
 BUCKETS = (("gt-5", -5.0, math.inf), ("-10..-5", -10.0, -5.0), ("-20..-10", -20.0, -10.0), ("le-20", -math.inf, -20.0))
 MIN_BUCKET_TOKENS = 10
 """A SmolLM2 bucket with fewer tokens takes the profile value of its neighbour on the common side."""
@@ -106,7 +106,7 @@ def smollm2_profile(csv_path: str) -> Dict[str, float]:
     """SmolLM2's mean |beta| per bucket relative to its common bucket; thin buckets copy the next common one."""
     row = next((r for r in csv.DictReader(open(csv_path)) if r["pair"] == SMOLLM2_PAIR), None)
     if row is None:
-        raise SystemExit(f"{csv_path}: no row {SMOLLM2_PAIR!r} (run tools/beta_real.py with the vLLM generator)")
+        raise SystemExit(f"{csv_path}: no row {SMOLLM2_PAIR!r} (run tools/study/beta_real.py with the vLLM generator)")
     prof, last = {}, None
     for name, _, _ in BUCKETS:
         ok = int(row[f"n_{name}"]) >= MIN_BUCKET_TOKENS and row[f"beta_abs_{name}"] not in ("", "nan")
@@ -268,7 +268,7 @@ def write_page(out: str, doc: Optional[str] = None) -> str:
     gate_ok = {arm: all(ok for _, ok, _ in g) for arm, g in state.get("gates", {}).items()}
     lines = ["# The mechanism at the write-up's dose (issue 34 item 5; generated)", "",
              f"Pre-registration: [{os.path.basename(PREREG)}]({os.path.basename(PREREG)}). Command: "
-             f"`python tools/dose_study.py --out {os.path.relpath(out, ROOT)}`; recipe `{RECIPE}` with "
+             f"`python tools/study/dose_study.py --out {os.path.relpath(out, ROOT)}`; recipe `{RECIPE}` with "
              f"`{' '.join(_BASE)}`; every number is read from the runs' metrics.jsonl (raw files: `dose/`).", "",
              headline(out, stats, gate_ok), "", "## Calibration", ""] + _calibration_lines(state) + ["", "## Gates (steps 1-3, seed 0)", ""]
     for arm, g in state.get("gates", {}).items():
@@ -334,7 +334,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True, help="study folder (stage/arm/seedK/metrics.jsonl, dose.json, page)")
     parser.add_argument("--profile", default=os.path.join(ROOT, "docs/results/beta-real/beta_real.csv"),
-                        help="tools/beta_real.py's CSV (SmolLM2's rarity profile for B-rare)")
+                        help="tools/study/beta_real.py's CSV (SmolLM2's rarity profile for B-rare)")
     parser.add_argument("--stage", choices=("probe", "all"), default="all")
     parser.add_argument("--page", default=None, metavar="DOC", help="only rewrite the page to DOC from OUT")
     parser.add_argument("--export", default=None, metavar="DIR", help="with --page: copy the raw metrics to DIR")

@@ -16,8 +16,8 @@ held out for validation); ``--corpus-dir`` takes any directory of text files ins
    before and after, wall time, and the rarity structure of the model's own text (share of
    sampled tokens, temperature 1, with log-prob < -5 and < -20).
 
-    python tools/pretrain.py --out runs/pretrain-4m --size 4m --steps 600
-    python tools/pretrain.py --out runs/pretrain-4m --eos-prompts   # only OUT/eos_prompts.jsonl (the EOS task)
+    python tools/study/pretrain.py --out runs/pretrain-4m --size 4m --steps 600
+    python tools/study/pretrain.py --out runs/pretrain-4m --eos-prompts   # only OUT/eos_prompts.jsonl (the EOS task)
 """
 
 from __future__ import annotations
@@ -397,7 +397,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict:
     tokens_seen = args.steps * args.batch_size * args.seq_len
     card = dict(
         out=os.path.abspath(args.out), corpus=corpus, tokenizer=tok,
-        command="python tools/pretrain.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        command="python tools/study/pretrain.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         model=dict({k: cfg[k] for k in CARD_MODEL_KEYS}, params=sum(p.numel() for p in model.parameters()),
                    size_preset=args.size),
         training=dict(steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
@@ -414,5 +414,5 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repo
     main()

@@ -5,12 +5,12 @@ generation dtype x learning rate x loss variant). Runs go in sequence on this ma
 each as its own ``megatron-grpo train`` process (``--nproc N`` wraps it in torchrun).
 Resumable: a run whose ``metrics.jsonl`` already has all its steps is not redone.
 
-    python tools/sweep.py --grid tiny-phantom --out runs/sweep-tiny --seeds 0 1 2
-    python tools/sweep.py --grid tiny-moe-routing --out runs/moe-routing --seeds 0 1 --steps 10
-    python tools/sweep.py --grid loss-families --out runs/loss-families --seeds 0 --steps 10
-    python tools/sweep.py --grid writeup --out runs/sweep-0.6b --nproc 8      # on a GPU node
-    python tools/sweep.py --grid writeup-pretrained --out runs/writeup-pretrained   # = tools/writeup.py (issue 16)
-    python tools/sweep.py --grid writeup-regime --out runs/writeup-regime   # = tools/writeup_regime.py (issue 26)
+    python tools/study/sweep.py --grid tiny-phantom --out runs/sweep-tiny --seeds 0 1 2
+    python tools/study/sweep.py --grid tiny-moe-routing --out runs/moe-routing --seeds 0 1 --steps 10
+    python tools/study/sweep.py --grid loss-families --out runs/loss-families --seeds 0 --steps 10
+    python tools/study/sweep.py --grid writeup --out runs/sweep-0.6b --nproc 8      # on a GPU node
+    python tools/study/sweep.py --grid writeup-pretrained --out runs/writeup-pretrained   # = tools/study/writeup.py (issue 16)
+    python tools/study/sweep.py --grid writeup-regime --out runs/writeup-regime   # = tools/study/writeup_regime.py (issue 26)
 
 The staged grids ``writeup-pretrained`` and ``writeup-regime`` are their own tools: this one hands them every
 other argument (as a child process). Running, reading and the summary table: ``megatron_grpo.observe.experiments``.
@@ -26,7 +26,7 @@ from typing import Dict, List
 
 from megatron_grpo.observe import experiments
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tools/<kind>/ -> the repo
 
 # The tiny-phantom runs use recipes/grpo-tiny-phantom-cpu.yaml, whose clip epsilon is scaled to the
 # tiny model's measured beta (see that recipe and docs/results/tiny-phantom.md).
@@ -85,7 +85,7 @@ GRIDS: Dict[str, Dict[str, List[str]]] = {
 }
 RECIPES = {"tiny-phantom": _TINY, "loss-families": _TINY, "tiny-moe-routing": "recipes/grpo-tiny-moe-ep2-cpu.yaml",
            "smollm2-ab": "recipes/grpo-smollm2-eos-cpu.yaml"}
-STAGED = {"writeup-pretrained": "tools/writeup.py", "writeup-regime": "tools/writeup_regime.py"}
+STAGED = {"writeup-pretrained": "tools/study/writeup.py", "writeup-regime": "tools/study/writeup_regime.py"}
 """Grids that are their own tools (staged, with a page): ``--grid NAME`` runs the tool with the other arguments.
 writeup-pretrained: the write-up's table + loss families on the locally pretrained model, one run per (variant,
 lr); writeup-regime: issue 26's pre-registered A vs B + dose-response, megatron generator, synchronous."""

@@ -12,7 +12,7 @@ batch (``--rows`` sequences of ``--seq`` tokens, micro-batches of ``--micro-batc
 
 Prints the median seconds per step of each (taking turns, ``--repeats`` after one warm-up) and the ratios;
 ``--profile`` adds each one's top operators (self CPU time).
-Usage: python tools/bench_train_phase.py [--hidden 512 --layers 8 --rows 64 --seq 24 --repeats 5 --profile]
+Usage: python tools/bench/bench_train_phase.py [--hidden 512 --layers 8 --rows 64 --seq 24 --repeats 5 --profile]
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Fills ./wheels with what tools/gpu_check.sh installs, when missing, on the GPU check machine
+# Fills ./wheels with what tools/cluster/gpu_check.sh installs, when missing, on the GPU check machine
 # (Python 3.12, x86-64, no network; torch preinstalled, and pyyaml and safetensors too):
 # megatron-core 0.16.1 (the version this package is built and tested against; its only runtime
 # needs are torch, numpy, packaging: neither numpy nor packaging is a torch dependency, so both come
@@ -10,9 +10,9 @@
 # working tree's tracked + untracked files, ~2 MB, plus the carried paths): this script fails when the
 # wheels pass WHEELS_MAX_MIB (24) or the tree plus the wheels pass 64 MiB (no TE / vLLM wheels: they
 # are hundreds of MB). Run on a machine that reaches PyPI:
-#   bash tools/fetch_gpu_wheels.sh
+#   bash tools/cluster/fetch_gpu_wheels.sh
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 py="${PYTHON:-}"
 if [ -z "$py" ]; then
   if [ -x .venv/bin/python ]; then py=.venv/bin/python; else py=python3; fi

@@ -1,8 +1,8 @@
-"""Body of ``tools/gpu_check.sh``: the one-H200 check, in named phases, through the real trainer.
+"""Body of ``tools/cluster/gpu_check.sh``: the one-H200 check, in named phases, through the real trainer.
 
-    python tools/gpu_check.py --out OUT [--dry] [--work DIR] [--budget SECONDS] [--phases a,b,...]
-    python tools/gpu_check.py preflight --json PATH --work DIR --out DIR [--dry]      # the child processes
-    python tools/gpu_check.py beta|fp8 --json PATH --model DIR [--seqs N] [--seq-len N] [--block N]
+    python tools/cluster/gpu_check.py --out OUT [--dry] [--work DIR] [--budget SECONDS] [--phases a,b,...]
+    python tools/cluster/gpu_check.py preflight --json PATH --work DIR --out DIR [--dry]      # the child processes
+    python tools/cluster/gpu_check.py beta|fp8 --json PATH --model DIR [--seqs N] [--seq-len N] [--block N]
 
 Phases, in this order (``--phases`` picks a subset; ``preflight`` always runs first):
 
@@ -30,7 +30,7 @@ Phases, in this order (``--phases`` picks a subset; ``preflight`` always runs fi
 
 The model is a random-init checkpoint of the Qwen3-0.6B shape written with torch + safetensors alone
 (``megatron_grpo.models.random_checkpoint``: no transformers, no tokenizer: token-id prompts). The
-preflight and beta measurements run in child processes (``python tools/gpu_check.py preflight|beta ...``);
+preflight and beta measurements run in child processes (``python tools/cluster/gpu_check.py preflight|beta ...``);
 the phase runner (budget, atomic JSON, child processes) is ``megatron_grpo.observe.phases``.
 
 ``OUT/gpu_check.json`` is rewritten atomically (temp file in OUT, fsync, ``os.replace``) before and
@@ -57,7 +57,7 @@ import tempfile
 import time
 from typing import Callable, Dict, List, Optional, Sequence
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tools/<kind>/ -> the repo
 for _path in (ROOT, os.path.dirname(os.path.abspath(__file__))):
     if _path not in sys.path:
         sys.path.insert(0, _path)

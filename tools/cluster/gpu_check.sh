@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The one prepared check for a single-H200 machine without network (Python 3.12, torch + CUDA,
 # safetensors / pyyaml preinstalled; no megatron-core, omegaconf, TE or vLLM). Named phases, in order
-# (tools/gpu_check.py): preflight (versions, device, disk, wheels, imports; fails fast), smoke (one
+# (tools/cluster/gpu_check.py): preflight (versions, device, disk, wheels, imports; fails fast), smoke (one
 # bf16 train step of a tiny model), beta (fp32-vs-bf16/fp16 log-prob gaps by rarity bucket, and each
 # precision's error vs an fp64 forward), fp8 (the FP8 kernel residual: our emulated FP8 GEMM vs
 # torch._scaled_mm's on the same bytes, per linear and in log-probs, beside the FP8 gap and the emulation's
@@ -11,10 +11,10 @@
 # `python -m megatron_grpo train` with generation.backend=megatron on a random-init Qwen3-0.6B-shaped
 # model. A phase that does not fit the remaining time is skipped (recorded), not started.
 #
-#   bash tools/fetch_gpu_wheels.sh                 # here, once (PyPI): fills ./wheels (~21 MB)
-#   bash tools/gpu_check.sh OUT_DIR                # there, with ./wheels carried; under 8 minutes
-#   GPU_CHECK_PHASES=preflight,smoke,beta bash tools/gpu_check.sh OUT_DIR   # a subset (preflight,fp8: FP8 alone)
-#   GPU_CHECK_DRY=1 bash tools/gpu_check.sh OUT    # CPU, tiny model, 2 steps per run (CI)
+#   bash tools/cluster/fetch_gpu_wheels.sh                 # here, once (PyPI): fills ./wheels (~21 MB)
+#   bash tools/cluster/gpu_check.sh OUT_DIR                # there, with ./wheels carried; under 8 minutes
+#   GPU_CHECK_PHASES=preflight,smoke,beta bash tools/cluster/gpu_check.sh OUT_DIR   # a subset (preflight,fp8: FP8 alone)
+#   GPU_CHECK_DRY=1 bash tools/cluster/gpu_check.sh OUT    # CPU, tiny model, 2 steps per run (CI)
 #
 # The device run carries the working tree plus ./wheels: 64 MiB at most in all (the tree is ~2 MB;
 # fetch_gpu_wheels.sh refuses wheels that would not fit). OUT_DIR receives small files only:
@@ -25,23 +25,23 @@
 # .venv/bin/python, else python3. Exit status 0 only when every phase that ran is ok; otherwise
 # non-zero with "gpu_check: FAILED: ..." printed.
 set -euo pipefail
-out="${1:?usage: tools/gpu_check.sh OUT_DIR   (GPU_CHECK_DRY=1 for the CPU dry run)}"
+out="${1:?usage: tools/cluster/gpu_check.sh OUT_DIR   (GPU_CHECK_DRY=1 for the CPU dry run)}"
 mkdir -p "$out"
 out="$(cd "$out" && pwd)"
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 limit=480  # the device session (its 15 minutes hold the machine's start and this run)
 py="${PYTHON:-}"
 if [ -z "$py" ]; then
   if [ -x .venv/bin/python ]; then py=.venv/bin/python; else py=python3; fi
 fi
-# A failure before tools/gpu_check.py wrote its JSON (a missing wheel, a broken pip) still leaves one.
+# A failure before tools/cluster/gpu_check.py wrote its JSON (a missing wheel, a broken pip) still leaves one.
 fail() {
   echo "gpu_check: FAILED: $*" >&2
   if [ ! -f "$out/gpu_check.json" ]; then
     GPU_CHECK_ERROR="$*" "$py" -c 'import json, os, sys
 e = os.environ["GPU_CHECK_ERROR"]
 json.dump({"ok": False, "stage": "shell", "error": e, "phases": {},
-           "not_measured": ["every phase: the shell stage failed before tools/gpu_check.py ran: " + e]},
+           "not_measured": ["every phase: the shell stage failed before tools/cluster/gpu_check.py ran: " + e]},
           open(sys.argv[1] + ".tmp", "w"), indent=1)
 os.replace(sys.argv[1] + ".tmp", sys.argv[1])' "$out/gpu_check.json" 2>/dev/null || true
   fi
@@ -53,7 +53,7 @@ dry="${GPU_CHECK_DRY:-0}"
 
 # What the train path (generation.backend=megatron) imports beyond torch and the machine may lack
 # (numpy too: megatron.core needs it and a torch install does not bring it): module -> wheel name in
-# ./wheels (tools/fetch_gpu_wheels.sh). Checked without importing
+# ./wheels (tools/cluster/fetch_gpu_wheels.sh). Checked without importing
 # them (megatron.core's import alone takes seconds); only the missing ones are installed, from
 # ./wheels alone (no index, no deps), into a folder put on PYTHONPATH. yaml and safetensors are
 # preinstalled there; transformers / tokenizers are not needed (token-id prompts, no tokenizer).
@@ -77,7 +77,7 @@ if [ "${#missing[@]}" -gt 0 ]; then
   done
   if [ "${#absent[@]}" -gt 0 ]; then
     joined="$(printf '%s; ' "${absent[@]}")"
-    fail "${joined%; }: run 'bash tools/fetch_gpu_wheels.sh' on a machine with PyPI and carry the wheels folder"
+    fail "${joined%; }: run 'bash tools/cluster/fetch_gpu_wheels.sh' on a machine with PyPI and carry the wheels folder"
   fi
   site="${TMPDIR:-/tmp}/megatron_grpo_gpu_site"
   echo "gpu_check: installing ${missing[*]} from $wheels into $site"
@@ -96,11 +96,11 @@ if [ -z "$work" ]; then
 fi
 left=$((limit - SECONDS))
 rc=0
-timeout -k 10 "$left" "$py" tools/gpu_check.py --out "$out" --work "$work" --budget $((left - 10)) \
+timeout -k 10 "$left" "$py" tools/cluster/gpu_check.py --out "$out" --work "$work" --budget $((left - 10)) \
   --phases "${GPU_CHECK_PHASES:-}" "${dry_flag[@]}" \
   2>&1 | tee "$out/gpu_check.log" || rc=$?
 if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then
   fail "did not finish within $limit s (see $out/gpu_check.log; $out/gpu_check.json holds the phases done)"
 elif [ "$rc" -ne 0 ]; then
-  fail "tools/gpu_check.py exited with status $rc (the reasons are printed above; log: $out/gpu_check.log)"
+  fail "tools/cluster/gpu_check.py exited with status $rc (the reasons are printed above; log: $out/gpu_check.log)"
 fi

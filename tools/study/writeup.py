@@ -1,9 +1,9 @@
 """The write-up's experiment table on a locally pretrained model (issue 16 items 3-5).
 
-``python tools/writeup.py --out runs/writeup-pretrained`` (or ``python tools/sweep.py --grid writeup-pretrained
+``python tools/study/writeup.py --out runs/writeup-pretrained`` (or ``python tools/study/sweep.py --grid writeup-pretrained
 ...``, which hands its arguments to this tool) runs, in order:
 
-1. ``model``: pretrains the table's model with ``tools/pretrain.py`` (``experiments.WRITEUP_PRETRAIN_ARGS``)
+1. ``model``: pretrains the table's model with ``tools/study/pretrain.py`` (``experiments.WRITEUP_PRETRAIN_ARGS``)
    unless ``MODEL/config.json`` exists (the recipe's ``policy.model_name``), and writes its EOS prompts;
 2. ``lr-scan``: runs A (bf16 trainer = bf16 generator) and B (fp32 trainer vs bf16 generator) at every
    learning rate of :data:`LRS`, ``--scan-seeds`` seeds;
@@ -13,7 +13,7 @@
 4. ``families``: gspo, cispo and dual-clip ppo, mismatched (as B) and matched (as A), same lr,
    ``--family-seeds`` seeds;
 5. writes ``OUT/writeup-reproduction.md`` (``--report DOC`` rewrites it anywhere from ``OUT/writeup.json``;
-   ``tools/report.py OUT --writeup DOC`` does the same).
+   ``tools/study/report.py OUT --writeup DOC`` does the same).
 
 Each stage is resumable (a run whose metrics are complete is not redone). Budget on 2 CPU cores: the page
 states it (docs/results/writeup-reproduction.md).
@@ -36,7 +36,7 @@ from megatron_grpo.observe.experiments import (AT_STEPS, SNR_WINDOWS, ci95, comp
                                                read_rows, seed_stats, final_reward)
 from megatron_grpo.observe.experiments import md_table as _md_table
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tools/<kind>/ -> the repo
 RECIPE = experiments.WRITEUP_RECIPE
 MODEL_DIR = experiments.WRITEUP_MODEL_DIR
 """The recipe's ``policy.model_name`` (``MEGATRON_GRPO_PRETRAINED_DIR``, default runs/pretrained/qwen3-4m)."""
@@ -79,7 +79,7 @@ def run_name(variant: str, lr: float) -> str:
 
 
 def grid() -> Dict[str, List[str]]:
-    """Every (variant or family) x lr run, for ``tools/sweep.py``'s GRIDS."""
+    """Every (variant or family) x lr run, for ``tools/study/sweep.py``'s GRIDS."""
     return {run_name(v, lr): ov + [f"policy.megatron_cfg.optimizer.lr={lr:g}"]
             for lr in LRS for v, ov in {**VARIANTS, **FAMILIES}.items()}
 
@@ -316,11 +316,11 @@ def write_report(out: str, table_lr: float, scan_seeds: Sequence[int], seeds: Se
     rel = os.path.basename(fig_dir)
     lines = [
         "# The write-up's table on a locally pretrained Qwen3-shaped model (generated)", "",
-        f"Command: `python tools/sweep.py --grid writeup-pretrained --out {os.path.relpath(out, ROOT)} "
+        f"Command: `python tools/study/sweep.py --grid writeup-pretrained --out {os.path.relpath(out, ROOT)} "
         f"--seeds {' '.join(map(str, seeds))} --scan-seeds {' '.join(map(str, scan_seeds))} "
         f"--family-seeds {' '.join(map(str, p['family_seeds']))} "
         f"--scan-lrs {' '.join(f'{x:g}' for x in p['scan_lrs'])}` "
-        f"(recipe `{RECIPE}`; every number below is read from the runs' metrics.jsonl by tools/writeup.py).", "",
+        f"(recipe `{RECIPE}`; every number below is read from the runs' metrics.jsonl by tools/study/writeup.py).", "",
         f"Budget: {n_runs} runs + the gap probe: {_runs_wall(out) / 60:.1f} min, the sum of the runs' own wall times "
         "(summary.json; robust to a restarted sweep, without each process's launch of a few seconds); the last sweep "
         "process ran " + (f"{p['wall_s'] / 60:.1f} min" if p.get("wall_s") else "n/a") + " (finished runs are "

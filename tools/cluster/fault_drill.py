@@ -15,7 +15,7 @@ uninterrupted run of the same recipe:
 Prints a table: fault, recovered, steps lost, rows lost or duplicated, metrics equal to the
 uninterrupted run.
 
-    python tools/fault_drill.py [--model DIR] [--out runs/fault-drill] [--only NAME ...]
+    python tools/cluster/fault_drill.py [--model DIR] [--out runs/fault-drill] [--only NAME ...]
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ import time
 
 from megatron_grpo.observe.experiments import read_rows
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tools/<kind>/ -> the repo
 STEPS = 5
 VOLATILE = ("time/", "timing/", "sync/push_s", "sync/logprob_diff_vs_baseline")
 """Not compared: wall times, and the probe's ratio to its baseline, a ratio of two fp32 round-off

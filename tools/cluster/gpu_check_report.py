@@ -1,4 +1,4 @@
-"""The text report of ``tools/gpu_check.py``'s phases (its measurements, one block per phase), and the fp8
+"""The text report of ``tools/cluster/gpu_check.py``'s phases (its measurements, one block per phase), and the fp8
 phase's contract (``fp8_errors``)."""
 
 from __future__ import annotations

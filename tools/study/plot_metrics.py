@@ -2,7 +2,7 @@
 
 The figures live in ``megatron_grpo.observe.plots``; this script is kept for existing commands.
 
-    python tools/plot_metrics.py runs/sweep-tiny/*/seed0 --out runs/sweep-tiny/figures
+    python tools/study/plot_metrics.py runs/sweep-tiny/*/seed0 --out runs/sweep-tiny/figures
 """
 
 from __future__ import annotations

