@@ -351,6 +351,15 @@ def test_every_sweep_grid_run_is_a_valid_recipe(tmp_path):
     assert set(smol["noclip"]) - set(smol["B"]) == {"loss_fn.ratio_clip_min=10.0", "loss_fn.ratio_clip_max=10.0"}
     cfg = load_recipe(os.path.join(ROOT, sweep.recipe_for("smollm2-ab", "A")), smol["A"])
     assert cfg.logger.token_dump_steps == [2, 3]  # the write-up's step-3 dose is measured in every arm
+    fp8 = {run: load_recipe(os.path.join(ROOT, sweep.recipe_for("fp8-dose", run)), o)
+           for run, o in sweep.GRIDS["fp8-dose"].items()}
+    for run, c in fp8.items():  # every arm: the bf16 trainer, the megatron generator, one step of lag
+        assert (c.policy.precision.compute_dtype, c.generation.backend, c.generation.max_staleness) == (
+            "bfloat16", "megatron", 1), run
+    assert [(c.policy.precision.generation_dtype, c.policy.precision.shadow_dtype, c.loss_fn.ratio,
+             c.loss_fn.correction) for c in fp8.values()] == [
+        ("bfloat16", "bfloat16", "train", None), ("fp8", "fp8", "train", None), ("fp8", "fp8", "shadow", None),
+        ("fp8", "fp8", "train", "tis")]
 
 
 def test_smollm2_ab_page_reads_complete_runs_and_pairs_seeds(tmp_path):
@@ -390,6 +399,18 @@ def test_smollm2_ab_page_reads_complete_runs_and_pairs_seeds(tmp_path):
     assert smollm2_ab.verdict([0.5, -0.5, 0.0], a_gain=10).startswith("not reproduced")  # inside [-2, 2]
     assert smollm2_ab.verdict([1.0, 9.0, -3.0], a_gain=10).startswith("inconclusive (difference")
     assert smollm2_ab.verdict([4.0, 4.5, 5.0], a_gain=2).startswith("inconclusive (A's gain 2 < 5)")
+    # the FP8 study: M is the matched arm, B8 the baseline; the dose table lists the runs with a gap
+    for seed, lift in ((0, 0.0), (1, 1.0)):
+        write("M", seed, [-20.0, -20.0, -16, -14, -12, -10 + lift][:steps])
+        write("B8", seed, [-20.0, -20.0, -18, -17, -16, -15][:steps], beta=0.18)
+        write("T8", seed, [-20.0, -20.0, -18, -17, -16, -15 - lift][:steps], beta=0.18)
+    fp8 = smollm2_ab.STUDIES["fp8-dose"]
+    text = smollm2_ab.page(str(tmp_path / "ab"), steps, "cmd", fp8)
+    assert "**H1: B8 (the bf16 trainer's ratio with the FP8 gap) ends below M (bf16 generator, matched)**: " \
+           "reproduced (" in text
+    # T8 - B8 per seed: 0 and -0.2: inside [-2, 2]
+    assert "**S1: token TIS with cap 2 (T8) ends above B8 (secondary)**: not reproduced (difference -0.1" in text
+    assert "H2" not in text and "| B8 | 0 | nan | nan | 0.1 |" in text and "| M | 0 |" not in text.split("## Per")[0]
 
 
 def test_bench_weight_sync_fp8_delta_side_by_side(tiny_dense, megatron_single):

@@ -39,6 +39,8 @@ _BF16_MATCHED = ["policy.precision.compute_dtype=bfloat16", "policy.precision.ge
 _SMOL = ["generation.max_staleness=1", "grpo.diagnostics_every=5", "generation.parity_probe_every=5",
          "policy.precision.compute_dtype=float32", "logger.token_dump_steps=[2,3]"]
 _SMOL_B = _SMOL + ["policy.precision.generation_dtype=bfloat16", "generation.parity_tolerance=0.1"]
+_SMOL_FP8 = ["generation.max_staleness=1", "grpo.diagnostics_every=5", "generation.parity_probe_every=5",
+             "logger.token_dump_steps=[2,3]"]
 GRIDS: Dict[str, Dict[str, List[str]]] = {
     "tiny-phantom": {
         "A-bf16-autocast": ["policy.precision.compute_dtype=bfloat16", "policy.precision.generation_dtype=bfloat16"],
@@ -82,9 +84,19 @@ GRIDS: Dict[str, Dict[str, List[str]]] = {
         "F": _SMOL_B + ["loss_fn.ratio=one"],
         "noclip": _SMOL_B + ["loss_fn.ratio_clip_min=10.0", "loss_fn.ratio_clip_max=10.0"],
     },
+    # issue 42 item 1 (docs/results/preregistration-fp8.md): recipes/grpo-smollm2-fp8-cpu.yaml's bf16 trainer with
+    # the megatron generator, one step of lag, the fp8 shadow forward at steps 1, 2, 3 and every 5
+    "fp8-dose": {
+        # precision-matched: a bf16 generator on the bf16 trainer (no shadow forward: shadow dtype = compute dtype)
+        "M": _SMOL_FP8 + ["policy.precision.generation_dtype=bfloat16", "policy.precision.shadow_dtype=bfloat16",
+                          "loss_fn.ratio=train"],
+        "B8": _SMOL_FP8 + ["loss_fn.ratio=train"],  # the common set-up: the bf16 trainer's ratio sees the FP8 gap
+        "G8": _SMOL_FP8 + ["loss_fn.ratio=shadow"],  # unified FP8: the ratio from the fp8 shadow (the recipe's own)
+        "T8": _SMOL_FP8 + ["loss_fn.ratio=train", "loss_fn.correction=tis", "loss_fn.tis_cap=2.0"],  # verl's fix
+    },
 }
 RECIPES = {"tiny-phantom": _TINY, "loss-families": _TINY, "tiny-moe-routing": "recipes/grpo-tiny-moe-ep2-cpu.yaml",
-           "smollm2-ab": "recipes/grpo-smollm2-eos-cpu.yaml"}
+           "smollm2-ab": "recipes/grpo-smollm2-eos-cpu.yaml", "fp8-dose": "recipes/grpo-smollm2-fp8-cpu.yaml"}
 STAGED = {"writeup-pretrained": "tools/study/writeup.py", "writeup-regime": "tools/study/writeup_regime.py"}
 """Grids that are their own tools (staged, with a page): ``--grid NAME`` runs the tool with the other arguments.
 writeup-pretrained: the write-up's table + loss families on the locally pretrained model, one run per (variant,
