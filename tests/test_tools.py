@@ -11,7 +11,7 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "tools"))
+sys.path[:0] = [os.path.join(ROOT, "tools", kind) for kind in ("study", "bench", "cluster")]
 
 vllm = pytest.mark.vllm  # the sweep runs the default generator (vLLM)
 
@@ -22,7 +22,7 @@ SMALL = ["grpo.num_prompts_per_step=2", "grpo.num_generations_per_prompt=4", "ge
 @pytest.fixture(scope="module")
 def sweep_dir(tmp_path_factory, tiny_dense):
     out = str(tmp_path_factory.mktemp("sweep"))
-    cmd = [sys.executable, "tools/sweep.py", "--grid", "tiny-phantom", "--runs", "A-bf16-autocast", "B-fp32-mismatch",
+    cmd = [sys.executable, "tools/study/sweep.py", "--grid", "tiny-phantom", "--runs", "A-bf16-autocast", "B-fp32-mismatch",
            "--steps", "2", "--seeds", "0", "--out", out, f"policy.model_name={tiny_dense}"] + SMALL
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -99,7 +99,7 @@ def test_moe_runs_get_routing_figures(tmp_path):
 
 @pytest.mark.slow
 def test_gpu_check_dry_run_trains_runs_a_and_b(tmp_path):
-    """``GPU_CHECK_DRY=1 tools/gpu_check.sh``: the device check's own script and every phase on CPU (tiny
+    """``GPU_CHECK_DRY=1 tools/cluster/gpu_check.sh``: the device check's own script and every phase on CPU (tiny
     model of the Qwen3-0.6B family written without transformers, no tokenizer; smoke = 1 step, A / shadow /
     fp16 / B = 2 steps of the real ``megatron-grpo train`` with generation.backend=megatron)."""
     from gpu_check import PHASES
@@ -107,7 +107,7 @@ def test_gpu_check_dry_run_trains_runs_a_and_b(tmp_path):
     out = tmp_path / "out"
     env = dict(os.environ, GPU_CHECK_DRY="1", PYTHON=sys.executable, GPU_CHECK_WORK=str(tmp_path / "work"))
     env.pop("GPU_CHECK_PHASES", None)
-    proc = subprocess.run(["bash", "tools/gpu_check.sh", str(out)], cwd=ROOT, env=env, capture_output=True,
+    proc = subprocess.run(["bash", "tools/cluster/gpu_check.sh", str(out)], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=960)  # above the dry run's own limit (900 s)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     assert "gpu_check: OK" in proc.stdout
@@ -279,7 +279,7 @@ def test_gpu_check_json_writer_and_phase_selection(tmp_path):
         gc.parse_phases("beta,gamma")
     env = dict(os.environ, GPU_CHECK_DRY="1", PYTHON=sys.executable, GPU_CHECK_PHASES="beta,gamma",
                GPU_CHECK_WORK=str(tmp_path / "work"))
-    proc = subprocess.run(["bash", "tools/gpu_check.sh", str(tmp_path / "out")], cwd=ROOT, env=env,
+    proc = subprocess.run(["bash", "tools/cluster/gpu_check.sh", str(tmp_path / "out")], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0 and "gpu_check: FAILED" in proc.stderr
     assert "unknown phase(s) gamma" in proc.stdout + proc.stderr
@@ -292,7 +292,7 @@ def test_gpu_check_without_megatron_or_its_wheel_fails_with_a_json_naming_the_wh
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(bare)], check=True, timeout=120)
     env = dict(os.environ, PYTHON=str(bare / "bin" / "python"), GPU_CHECK_WHEELS=str(tmp_path / "no-wheels"))
     env.pop("PYTHONPATH", None)
-    proc = subprocess.run(["bash", "tools/gpu_check.sh", str(tmp_path / "out")], cwd=ROOT, env=env,
+    proc = subprocess.run(["bash", "tools/cluster/gpu_check.sh", str(tmp_path / "out")], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
     assert f"megatron_core is not installed and {tmp_path}/no-wheels/megatron_core-*.whl is missing" in proc.stderr
