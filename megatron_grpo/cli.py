@@ -96,7 +96,7 @@ def _add_diagnostics(sub) -> None:
     plot.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run folders (with metrics.jsonl)")
     plot.add_argument("--out", default=None, help="folder for the PNGs (default: RUN_DIR/figures of the first run)")
     plot.set_defaults(func=_plot)
-    report = sub.add_parser("report", help="Markdown/HTML report of a sweep folder (tools/sweep.py's --out)")
+    report = sub.add_parser("report", help="Markdown/HTML report of a sweep folder (tools/study/sweep.py's --out)")
     report.add_argument("sweep", metavar="SWEEP_DIR")
     report.add_argument("--seed", type=int, default=0, help="the seed whose runs are plotted")
     report.add_argument("--html", action="store_true", help="also write report.html")

@@ -1,4 +1,4 @@
-"""tools/bench_trl.py and tools/trl_grpo_run.py: their pure parts (arguments, the settings both trainers get,
+"""tools/bench/bench_trl.py and tools/bench/trl_grpo_run.py: their pure parts (arguments, the settings both trainers get,
 the timing and the ratio table), without installing TRL or training."""
 
 import json
@@ -9,7 +9,7 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "tools"))
+sys.path.insert(0, os.path.join(ROOT, "tools", "bench"))
 
 import bench_trl  # noqa: E402
 import trl_grpo_run  # noqa: E402

@@ -1,4 +1,4 @@
-"""tools/beta_real.py (issue 34 item 3): the per-pair statistics, rarity buckets and the table with the
+"""tools/study/beta_real.py (issue 34 item 3): the per-pair statistics, rarity buckets and the table with the
 write-up's row, on synthetic log-probs (the real run needs SmolLM2 and vLLM: docs/results/beta-scaling.md)."""
 
 import math
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "tools"))
+sys.path.insert(0, os.path.join(ROOT, "tools", "study"))
 
 import beta_real  # noqa: E402
 

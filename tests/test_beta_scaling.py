@@ -1,4 +1,4 @@
-"""tools/beta_scaling.py: the power-law fit on synthetic data, and the tool end to end on four tiny sizes."""
+"""tools/study/beta_scaling.py: the power-law fit on synthetic data, and the tool end to end on four tiny sizes."""
 
 import csv
 import math
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "tools"))
+sys.path.insert(0, os.path.join(ROOT, "tools", "study"))
 
 
 def test_fit_recovers_known_exponents():
@@ -29,7 +29,7 @@ def test_fit_recovers_known_exponents():
 @pytest.fixture(scope="module")
 def scaling_run(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("beta-scaling"))
-    cmd = [sys.executable, "tools/beta_scaling.py", "--out", out, "--depths", "1", "2", "--widths", "32", "64",
+    cmd = [sys.executable, "tools/study/beta_scaling.py", "--out", out, "--depths", "1", "2", "--widths", "32", "64",
            "--num-seqs", "2", "--seq-len", "24"]
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"))
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
@@ -68,7 +68,7 @@ def test_pretrained_and_random_init_are_told_apart_and_fitted_separately(tmp_pat
     from beta_scaling import fits_by_dtype, model_kind
 
     (tmp_path / "m" / "init").mkdir(parents=True)
-    (tmp_path / "m" / "MODEL_CARD.json").write_text("{}")  # tools/pretrain.py's output: X/ and its start X/init
+    (tmp_path / "m" / "MODEL_CARD.json").write_text("{}")  # tools/study/pretrain.py's output: X/ and its start X/init
     (tmp_path / "plain").mkdir()
     assert model_kind(str(tmp_path / "m")) == ("m", "pretrained")
     assert model_kind(str(tmp_path / "m" / "init")) == ("m", "random-init")

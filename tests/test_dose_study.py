@@ -1,4 +1,4 @@
-"""tools/dose_study.py (issue 34 item 5): every arm is a valid config at the pre-registered regime, the
+"""tools/study/dose_study.py (issue 34 item 5): every arm is a valid config at the pre-registered regime, the
 pre-registration states the tool's constants, the calibration of k and of B-rare's k_t, the gates, the
 verdicts and the generated page on synthetic metrics."""
 
@@ -10,7 +10,7 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "tools"))
+sys.path.insert(0, os.path.join(ROOT, "tools", "study"))
 
 import dose_study as dose  # noqa: E402
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "tools"))
+sys.path.insert(0, os.path.join(ROOT, "tools", "cluster"))
 
 
 def test_real_fp8_gemm_is_the_block_scaled_product_and_rounds_like_the_emulation():

@@ -1,4 +1,4 @@
-"""``torchrun --nnodes 2`` across two hosts as ``tools/slurm/grpo.sbatch`` launches it: two network
+"""``torchrun --nnodes 2`` across two hosts as ``tools/cluster/grpo.sbatch`` launches it: two network
 namespaces joined by a veth pair (node 0 at 10.232.0.1, node 1 at 10.232.0.2), each with its own
 hostname that it resolves to 127.0.1.1 itself (a Debian/Ubuntu node's ``/etc/hosts``), c10d rendezvous on
 node 0's hostname (``--rdzv-endpoint HEAD:PORT``), no interface variable set by hand. torchrun then sets

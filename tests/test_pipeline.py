@@ -20,7 +20,7 @@ from tests.test_weights import check_pushes, push_twice
 ROWS, SEQ = 8, 24
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "tools"))
+sys.path.insert(0, os.path.join(ROOT, "tools", "bench"))
 from bench_checkpoint_load import read_bytes  # noqa: E402  (tools/: torch_dist's read counter)
 
 

@@ -1,4 +1,4 @@
-"""tools/pretrain.py (issue 16 item 1) on a micro corpus: determinism, learning, a loadable export, the card."""
+"""tools/study/pretrain.py (issue 16 item 1) on a micro corpus: determinism, learning, a loadable export, the card."""
 
 import json
 import os
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "tools"))
+sys.path.insert(0, os.path.join(ROOT, "tools", "study"))
 
 MICRO = ["--val-every", "3", "--vocab-size", "320", "--layers", "2", "--hidden", "64", "--heads", "4",
          "--kv-heads", "2", "--head-dim", "16", "--ffn", "128", "--steps", "20", "--batch-size", "8",

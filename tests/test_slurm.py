@@ -1,4 +1,4 @@
-"""tools/slurm/grpo.sbatch: its #SBATCH directives (the only part Slurm reads as text), and the script
+"""tools/cluster/grpo.sbatch: its #SBATCH directives (the only part Slurm reads as text), and the script
 itself run by bash with a fake ``srun`` (records its options, runs its command line with SLURM_* set),
 ``scontrol`` (names the allocation's hosts, records requeues) and, where the run's behaviour is not the
 point, ``torchrun`` (records its command line and the environment the ranks get): the rendezvous on
@@ -20,7 +20,7 @@ import pytest
 from megatron_grpo.observe.metrics_logger import read_metrics_rows
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SBATCH = os.path.join(ROOT, "tools", "slurm", "grpo.sbatch")
+SBATCH = os.path.join(ROOT, "tools", "cluster", "grpo.sbatch")
 RECIPE = os.path.join(ROOT, "recipes", "grpo-tiny-eos-cpu.yaml")
 JOB_ID = "4242"
 FAKE_SRUN = """#!/bin/bash

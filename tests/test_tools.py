@@ -11,7 +11,7 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "tools"))
+sys.path[:0] = [os.path.join(ROOT, "tools", kind) for kind in ("study", "bench", "cluster")]
 
 vllm = pytest.mark.vllm  # the sweep runs the default generator (vLLM)
 
@@ -22,7 +22,7 @@ SMALL = ["grpo.num_prompts_per_step=2", "grpo.num_generations_per_prompt=4", "ge
 @pytest.fixture(scope="module")
 def sweep_dir(tmp_path_factory, tiny_dense):
     out = str(tmp_path_factory.mktemp("sweep"))
-    cmd = [sys.executable, "tools/sweep.py", "--grid", "tiny-phantom", "--runs", "A-bf16-autocast", "B-fp32-mismatch",
+    cmd = [sys.executable, "tools/study/sweep.py", "--grid", "tiny-phantom", "--runs", "A-bf16-autocast", "B-fp32-mismatch",
            "--steps", "2", "--seeds", "0", "--out", out, f"policy.model_name={tiny_dense}"] + SMALL
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -99,7 +99,7 @@ def test_moe_runs_get_routing_figures(tmp_path):
 
 @pytest.mark.slow
 def test_gpu_check_dry_run_trains_runs_a_and_b(tmp_path):
-    """``GPU_CHECK_DRY=1 tools/gpu_check.sh``: the device check's own script and every phase on CPU (tiny
+    """``GPU_CHECK_DRY=1 tools/cluster/gpu_check.sh``: the device check's own script and every phase on CPU (tiny
     model of the Qwen3-0.6B family written without transformers, no tokenizer; smoke = 1 step, A / shadow /
     fp16 / B = 2 steps of the real ``megatron-grpo train`` with generation.backend=megatron)."""
     from gpu_check import PHASES
@@ -107,7 +107,7 @@ def test_gpu_check_dry_run_trains_runs_a_and_b(tmp_path):
     out = tmp_path / "out"
     env = dict(os.environ, GPU_CHECK_DRY="1", PYTHON=sys.executable, GPU_CHECK_WORK=str(tmp_path / "work"))
     env.pop("GPU_CHECK_PHASES", None)
-    proc = subprocess.run(["bash", "tools/gpu_check.sh", str(out)], cwd=ROOT, env=env, capture_output=True,
+    proc = subprocess.run(["bash", "tools/cluster/gpu_check.sh", str(out)], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=960)  # above the dry run's own limit (900 s)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     assert "gpu_check: OK" in proc.stdout
@@ -279,7 +279,7 @@ def test_gpu_check_json_writer_and_phase_selection(tmp_path):
         gc.parse_phases("beta,gamma")
     env = dict(os.environ, GPU_CHECK_DRY="1", PYTHON=sys.executable, GPU_CHECK_PHASES="beta,gamma",
                GPU_CHECK_WORK=str(tmp_path / "work"))
-    proc = subprocess.run(["bash", "tools/gpu_check.sh", str(tmp_path / "out")], cwd=ROOT, env=env,
+    proc = subprocess.run(["bash", "tools/cluster/gpu_check.sh", str(tmp_path / "out")], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0 and "gpu_check: FAILED" in proc.stderr
     assert "unknown phase(s) gamma" in proc.stdout + proc.stderr
@@ -292,7 +292,7 @@ def test_gpu_check_without_megatron_or_its_wheel_fails_with_a_json_naming_the_wh
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(bare)], check=True, timeout=120)
     env = dict(os.environ, PYTHON=str(bare / "bin" / "python"), GPU_CHECK_WHEELS=str(tmp_path / "no-wheels"))
     env.pop("PYTHONPATH", None)
-    proc = subprocess.run(["bash", "tools/gpu_check.sh", str(tmp_path / "out")], cwd=ROOT, env=env,
+    proc = subprocess.run(["bash", "tools/cluster/gpu_check.sh", str(tmp_path / "out")], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
     assert f"megatron_core is not installed and {tmp_path}/no-wheels/megatron_core-*.whl is missing" in proc.stderr
@@ -351,6 +351,15 @@ def test_every_sweep_grid_run_is_a_valid_recipe(tmp_path):
     assert set(smol["noclip"]) - set(smol["B"]) == {"loss_fn.ratio_clip_min=10.0", "loss_fn.ratio_clip_max=10.0"}
     cfg = load_recipe(os.path.join(ROOT, sweep.recipe_for("smollm2-ab", "A")), smol["A"])
     assert cfg.logger.token_dump_steps == [2, 3]  # the write-up's step-3 dose is measured in every arm
+    fp8 = {run: load_recipe(os.path.join(ROOT, sweep.recipe_for("fp8-dose", run)), o)
+           for run, o in sweep.GRIDS["fp8-dose"].items()}
+    for run, c in fp8.items():  # every arm: the bf16 trainer, the megatron generator, one step of lag
+        assert (c.policy.precision.compute_dtype, c.generation.backend, c.generation.max_staleness) == (
+            "bfloat16", "megatron", 1), run
+    assert [(c.policy.precision.generation_dtype, c.policy.precision.shadow_dtype, c.loss_fn.ratio,
+             c.loss_fn.correction) for c in fp8.values()] == [
+        ("bfloat16", "bfloat16", "train", None), ("fp8", "fp8", "train", None), ("fp8", "fp8", "shadow", None),
+        ("fp8", "fp8", "train", "tis")]
 
 
 def test_smollm2_ab_page_reads_complete_runs_and_pairs_seeds(tmp_path):
@@ -390,6 +399,18 @@ def test_smollm2_ab_page_reads_complete_runs_and_pairs_seeds(tmp_path):
     assert smollm2_ab.verdict([0.5, -0.5, 0.0], a_gain=10).startswith("not reproduced")  # inside [-2, 2]
     assert smollm2_ab.verdict([1.0, 9.0, -3.0], a_gain=10).startswith("inconclusive (difference")
     assert smollm2_ab.verdict([4.0, 4.5, 5.0], a_gain=2).startswith("inconclusive (A's gain 2 < 5)")
+    # the FP8 study: M is the matched arm, B8 the baseline; the dose table lists the runs with a gap
+    for seed, lift in ((0, 0.0), (1, 1.0)):
+        write("M", seed, [-20.0, -20.0, -16, -14, -12, -10 + lift][:steps])
+        write("B8", seed, [-20.0, -20.0, -18, -17, -16, -15][:steps], beta=0.18)
+        write("T8", seed, [-20.0, -20.0, -18, -17, -16, -15 - lift][:steps], beta=0.18)
+    fp8 = smollm2_ab.STUDIES["fp8-dose"]
+    text = smollm2_ab.page(str(tmp_path / "ab"), steps, "cmd", fp8)
+    assert "**H1: B8 (the bf16 trainer's ratio with the FP8 gap) ends below M (bf16 generator, matched)**: " \
+           "reproduced (" in text
+    # T8 - B8 per seed: 0 and -0.2: inside [-2, 2]
+    assert "**S1: token TIS with cap 2 (T8) ends above B8 (secondary)**: not reproduced (difference -0.1" in text
+    assert "H2" not in text and "| B8 | 0 | nan | nan | 0.1 |" in text and "| M | 0 |" not in text.split("## Per")[0]
 
 
 def test_bench_weight_sync_fp8_delta_side_by_side(tiny_dense, megatron_single):

@@ -1,4 +1,4 @@
-"""tools/writeup.py: the writeup-pretrained grid resolves to valid configs, the table lr comes from the scan,
+"""tools/study/writeup.py: the writeup-pretrained grid resolves to valid configs, the table lr comes from the scan,
 the statistics (95% t-intervals, interval comparisons) and the generated page on recorded metrics."""
 
 import math
@@ -10,7 +10,7 @@ import pytest
 from tests.test_doctor import step_row, write_run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "tools"))
+sys.path.insert(0, os.path.join(ROOT, "tools", "study"))
 
 import writeup  # noqa: E402
 
@@ -95,7 +95,7 @@ def test_eps_is_the_writeups_unless_the_measured_gap_is_smaller():
 
 
 def test_staged_sweep_probes_eps_scans_lr_then_runs_table_and_families(tmp_path, monkeypatch):
-    """``tools/writeup.py`` (``tools/sweep.py --grid writeup-pretrained``) with the training runs replaced by
+    """``tools/study/writeup.py`` (``tools/study/sweep.py --grid writeup-pretrained``) with the training runs replaced by
     recorded metrics."""
     calls = []
 
@@ -208,7 +208,7 @@ def test_decision_rule_reproduced_not_reproduced_inconclusive():
 
 
 def test_regime_sweep_stops_at_failed_gates_and_runs_main_and_dose_when_they_pass(tmp_path, monkeypatch):
-    """``tools/writeup_regime.py`` (``tools/sweep.py --grid writeup-regime``) with the training runs replaced
+    """``tools/study/writeup_regime.py`` (``tools/study/sweep.py --grid writeup-regime``) with the training runs replaced
     by recorded metrics."""
     import json
     import pathlib
@@ -279,14 +279,14 @@ def test_regime_sweep_stops_at_failed_gates_and_runs_main_and_dose_when_they_pas
 
 
 def test_sweep_hands_the_staged_grids_to_their_tools(monkeypatch):
-    """``tools/sweep.py --grid writeup-pretrained|writeup-regime`` runs that tool with every other argument."""
+    """``tools/study/sweep.py --grid writeup-pretrained|writeup-regime`` runs that tool with every other argument."""
     import sweep
 
     seen = []
     monkeypatch.setattr(sweep.subprocess, "call", lambda cmd, cwd: seen.append((cmd, cwd)) or 0)
     assert sweep.main(["--grid", "writeup-regime", "--out", "x", "--stage", "probe"]) == 0
     assert sweep.main(["--out", "y", "--grid", "writeup-pretrained", "--seeds", "0", "1"]) == 0
-    assert [c[1:] for c, _ in seen] == [[os.path.join(ROOT, "tools", "writeup_regime.py"), "--out", "x", "--stage",
+    assert [c[1:] for c, _ in seen] == [[os.path.join(ROOT, "tools", "study", "writeup_regime.py"), "--out", "x", "--stage",
                                          "probe"],
-                                        [os.path.join(ROOT, "tools", "writeup.py"), "--out", "y", "--seeds", "0", "1"]]
+                                        [os.path.join(ROOT, "tools", "study", "writeup.py"), "--out", "y", "--seeds", "0", "1"]]
     assert {cwd for _, cwd in seen} == {ROOT}

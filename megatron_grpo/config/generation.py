@@ -50,7 +50,7 @@ class GenerationConfig:
     ignore_eos: bool = False
     """Never stop at EOS (vLLM's ``SamplingParams.ignore_eos``, verl's ``rollout.ignore_eos``): every
     completion is exactly ``max_new_tokens`` long (``max_model_len`` permitting), EOS ids included as
-    ordinary tokens. For benchmarks at a fixed number of tokens per step (``tools/bench_trl.py``)."""
+    ordinary tokens. For benchmarks at a fixed number of tokens per step (``tools/bench/bench_trl.py``)."""
     temperature: float = 1.0
     """Sampling temperature; the trainer's log-probs use the same temperature."""
     top_p: float = 1.0

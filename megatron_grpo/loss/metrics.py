@@ -251,7 +251,7 @@ def _correction_metrics(sums, maxes, n) -> Dict[str, torch.Tensor]:
 
 
 def _compat_metrics(sums, n) -> Dict[str, torch.Tensor]:
-    """NeMo-RL's and verl's names (README: Loss and metric definitions)."""
+    """NeMo-RL's and verl's names (docs/guides/losses-and-metrics.md)."""
     rows = sums["n_rows"]  # verl: every row, empty ones included
     return {
         "compat/token_mult_prob_error": _safe_div(sums["compat_mult_prob_error"], n),

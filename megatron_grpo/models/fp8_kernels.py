@@ -1,6 +1,6 @@
 """The FP8 kernel residual: our emulated FP8 GEMM (``models.fp8``: both operands dequantized, one fp32 matmul,
 output rounded to bf16) against a real FP8 GEMM on the same bytes (``torch._scaled_mm``: e4m3 x e4m3 products
-accumulated in fp32 by the hardware), per linear and through the model's log-probs (``tools/gpu_check.py``'s
+accumulated in fp32 by the hardware), per linear and through the model's log-probs (``tools/cluster/gpu_check.py``'s
 ``fp8`` phase; the GPU it runs on has neither vLLM nor TE, so this is the closest thing to "vLLM's FP8 vs our
 FP8 shadow": the part of their gap that is the kernels, not the quantization).
 

@@ -1,6 +1,6 @@
 """Log-prob gaps between precisions on one model: fp32 vs bf16 / fp16 through the trainer's forward (fp32
 weights, autocast compute), and each precision's error against an fp64 forward of the same weights, overall
-and by rarity bucket (``tools/gpu_check.py``'s ``beta`` phase). Imports megatron.core (through
+and by rarity bucket (``tools/cluster/gpu_check.py``'s ``beta`` phase). Imports megatron.core (through
 ``models.forward``): import this module in the process that measures."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """A random-init Qwen3 HF checkpoint written with torch + safetensors alone: no transformers, no tokenizer
-(``tools/gpu_check.py`` runs on a machine without them). Weights as HF initialises them (N(0, 0.02),
+(``tools/cluster/gpu_check.py`` runs on a machine without them). Weights as HF initialises them (N(0, 0.02),
 norms 1), stored in bf16 as real Qwen3 checkpoints ship. A random model almost never samples EOS, so
 ``generation_config.json`` lists EOS plus every ``stop_every``-th token id as stop tokens (a length reward
 then varies)."""

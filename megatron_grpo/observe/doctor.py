@@ -3,8 +3,8 @@ trainer/generator precision gap hurts it, with numbers and the fixes ranked as i
 
     megatron-grpo doctor RUN_DIR
 
-Diagnostics read files, not live objects, so they work on any past run. Thresholds (README,
-"Diagnostics") are the constants below; every one is a mean over the run's steps unless named.
+Diagnostics read files, not live objects, so they work on any past run. Thresholds
+(docs/guides/precision-and-diagnostics.md) are the constants below; every one is a mean over the run's steps unless named.
 """
 
 from __future__ import annotations

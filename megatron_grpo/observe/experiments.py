@@ -1,5 +1,5 @@
-"""Sweeps of training runs and the statistics their pages are made of, shared by ``tools/sweep.py``,
-``tools/writeup.py`` and ``tools/writeup_regime.py`` (torch-free; no import outside ``observe/``).
+"""Sweeps of training runs and the statistics their pages are made of, shared by ``tools/study/sweep.py``,
+``tools/study/writeup.py`` and ``tools/study/writeup_regime.py`` (torch-free; no import outside ``observe/``).
 
 - Running: :func:`train_command` (one ``megatron-grpo train`` process, torchrun for ``nproc`` > 1),
   :func:`run_one` (resumable: a run whose metrics are complete is not redone), :func:`run_pairs`.
@@ -8,7 +8,7 @@
 - Statistics: :func:`ci95` (95% t-interval over seeds), :func:`fmt_ci`, :func:`paired_diffs`,
   :func:`compare` (paired by seed), :func:`md_table`.
 - The write-up's pretrained model (:data:`WRITEUP_RECIPE`, :func:`ensure_pretrained_model`), made by
-  ``tools/pretrain.py`` in a child process.
+  ``tools/study/pretrain.py`` in a child process.
 """
 
 from __future__ import annotations
@@ -88,10 +88,10 @@ def run_pairs(recipe: str, grid: Dict[str, List[str]], out: str, pairs: Iterable
 
 def ensure_pretrained_model(root: str, model_dir: str = WRITEUP_MODEL_DIR,
                             pretrain_args: Sequence[str] = tuple(WRITEUP_PRETRAIN_ARGS)) -> str:
-    """Pretrains the write-up's model with ``root/tools/pretrain.py`` unless ``model_dir/config.json`` exists,
+    """Pretrains the write-up's model with ``root/tools/study/pretrain.py`` unless ``model_dir/config.json`` exists,
     then writes its EOS-task prompts unless they exist (``model_dir`` relative to ``root``, the checkout)."""
     path = os.path.join(root, model_dir)
-    tool = os.path.join(root, "tools", "pretrain.py")
+    tool = os.path.join(root, "tools", "study", "pretrain.py")
     steps = []
     if not os.path.isfile(os.path.join(path, "config.json")):
         steps.append([sys.executable, tool, "--out", path] + list(pretrain_args))
@@ -225,7 +225,7 @@ def seed_stats(rows: List[dict], threshold: float, last: int = 5) -> Dict[str, f
 
 
 def model_card_lines(path: str) -> List[str]:
-    """The non-empty lines of ``path/MODEL_CARD.md`` after its title (``tools/pretrain.py`` writes it)."""
+    """The non-empty lines of ``path/MODEL_CARD.md`` after its title (``tools/study/pretrain.py`` writes it)."""
     card = os.path.join(path, "MODEL_CARD.md")
     if not os.path.isfile(card):
         return [f"(no model card at {path})"]

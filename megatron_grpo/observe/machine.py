@@ -1,5 +1,5 @@
 """What a machine offers a run: versions, the device, free disk, whether a module imports (used by
-``tools/gpu_check.py``'s preflight). torch is imported only by :func:`device_info`; nothing of the rest of
+``tools/cluster/gpu_check.py``'s preflight). torch is imported only by :func:`device_info`; nothing of the rest of
 the package is imported."""
 
 from __future__ import annotations

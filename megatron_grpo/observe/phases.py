@@ -1,7 +1,7 @@
 """A check run in named phases: each skipped when its estimate does not fit the budget left, the results
 JSON rewritten atomically before and after each phase (a killed run leaves a valid JSON of the phases done so
 far), and the child processes the phases run (killed with their process group on timeout). Used by
-``tools/gpu_check.py``; no import of the rest of the package.
+``tools/cluster/gpu_check.py``; no import of the rest of the package.
 
 Statuses: ``ok`` (+ measurements), ``failed`` (+ reason, + what was measured), ``skipped`` (+ why),
 ``not_run`` (not reached yet); ``running`` names the phase in flight.

@@ -26,7 +26,7 @@ Not a CUDA spot but a CPU one: without TE's or Apex's FusedAdam, Megatron-Core b
 ``AdamW`` with torch's defaults, which on CPU tensors is the per-tensor Python loop (torch picks
 its multi-tensor and fused paths by default on CUDA only). ``fuse_torch_adam`` switches such an
 optimizer to torch's fused CPU kernel (the same Adam update in one pass per tensor): measured with
-``tools/bench_optimizer.py`` (its ``unfused`` row) on a 26M Qwen3, one thread per rank. Likewise, without
+``tools/bench/bench_optimizer.py`` (its ``unfused`` row) on a 26M Qwen3, one thread per rank. Likewise, without
 Apex's ``fused_weight_gradient_mlp_cuda`` Megatron-Core computes each weight gradient into a new tensor that
 DDP's hook then adds to ``main_grad``; ``fuse_wgrad_accumulation`` gives Megatron's own
 ``gradient_accumulation_fusion`` path a CPU kernel (one ``addmm_`` into ``main_grad``).
