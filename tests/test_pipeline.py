@@ -5,8 +5,10 @@ uneven stages (a 5-layer model split 2 + 3 and 3 + 2: Megatron's uneven-PP field
 places them, their HF weights loaded, exported and pushed at the uneven layer offsets). One 2-rank launch
 serves every check of these; ``--dry-run`` counts each stage's layers of the 94-layer Qwen3-235B at PP = 4 and 8."""
 
+import importlib.util
 import os
 import sys
+import time
 
 import pytest
 import torch
@@ -16,6 +18,7 @@ from tests.test_routing import FP8, near_tie_moe  # noqa: F401  (near_tie_moe: a
 from tests.test_weights import check_pushes, push_twice
 
 ROWS, SEQ = 8, 24
+HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tools", "bench"))
 from bench_checkpoint_load import read_bytes  # noqa: E402  (tools/: torch_dist's read counter)
@@ -52,13 +55,77 @@ def _one_step(model_dir, pp, split=None, precision=("policy.precision.generation
     old = -7.0 + 0.01 * torch.randn(ROWS, SEQ, generator=gen)
     dp, rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     rows = slice(rank * ROWS // dp, (rank + 1) * ROWS // dp)
+    recipe = st.cfg.policy.precision.fp8.recipe() if st.cfg.policy.precision.generation_dtype == "fp8" else None
+    gloo = model_dir.endswith("tiny-qwen3") and HAVE_VLLM  # the untied case (vLLM packs the gloo buckets)
+    stage["generator"], delta = _stage_pushes(st.model, shape, recipe, gloo)
     stats, extra = st.run(_step_batch(old, torch.linspace(-1.0, 1.0, ROWS, dtype=torch.float64), rows=rows), 1)
     assert all(v.device == st.last_log_probs[0].device for v in [*stats.sums.values(), *stats.maxes.values()])
     metrics = finalize(*stats.reduce(st.dp_group))
     metrics.update(extra)
     weights = {k: v.clone() for k, v in export_hf_tensors(st.model, shape)}
     lp = torch.cat(comm_gather(st.last_log_probs[0], ps.get_data_parallel_group()))
-    return to_host(metrics), weights, lp, push_twice(st.model, shape), stage
+    twice = push_twice(st.model, shape)  # the funnel's first push after the step (headers cross once)
+    stage["generator"]["after"] = _delta_push_after_step(st.model, shape, *delta)
+    return to_host(metrics), weights, lp, twice, stage
+
+
+def _stage_pushes(model, shape, recipe, gloo):
+    """Before the step (the loaded weights: equal at every layout): a bf16 push into a file generator (the first
+    push of a delta state: full), the fp8 push where ``recipe``, and with ``gloo`` two pushes through a gloo
+    transfer group. At PP = 2 every stage's leader sends its own layers. Per push, this rank's view: the
+    generator's tensors (rank 0), the names and bytes this rank sent it, the stages' bytes (rank 0) and the
+    tensor bytes this rank sent other trainer ranks."""
+    from megatron_grpo.models.fp8 import FP8_DTYPE
+    from megatron_grpo.rollout.transfer import delta as D
+    from megatron_grpo.rollout.transfer.stage_push import STAGE_SENDERS
+    from megatron_grpo.rollout.pool import EnginePool
+    from megatron_grpo.rollout.transfer.weight_sync import push_weights
+    from tests._generators import FileGenerator, GlooGenerator, trainer_sends
+
+    rank0, out, started = int(os.environ["RANK"]) == 0, {}, time.perf_counter()
+    file_gen, delta = EnginePool(lambda i: FileGenerator(), 2) if rank0 else None, D.DeltaState()  # 2 readers
+    runs = [("bf16", file_gen, torch.bfloat16, delta)] + ([("fp8", FileGenerator() if rank0 else None, FP8_DTYPE,
+                                                            None)] if recipe else [])
+    if gloo:
+        gloo_gen = GlooGenerator() if rank0 else None
+        runs += [("gloo", gloo_gen, torch.bfloat16, None), ("gloo_again", gloo_gen, torch.bfloat16, None)]
+    for kind, gen, dtype, state in runs:
+        with trainer_sends() as sent:
+            report = push_weights(model, shape, gen, 1, dtype=dtype, bucket_mb=0.02, delta=state,
+                                  fp8=recipe if dtype == FP8_DTYPE else None)
+        out[kind] = dict(weights=None if gen is None else dict(_held(gen)), names=list(report.names),
+                         bytes=report.num_bytes, stage_bytes=report.stage_bytes, sent=sum(b for _, b in sent),
+                         digests=dict(getattr(gen, "pushed_digests", {})))
+    if gloo:
+        STAGE_SENDERS.close()
+        if rank0:
+            gloo_gen.close()
+    out["seconds"] = time.perf_counter() - started
+    return out, (file_gen, delta)
+
+
+def _held(gen):
+    """A generator's tensors (a pool's: its engines', which must agree)."""
+    held = [e.weights for e in getattr(gen, "engines", [gen])]
+    assert all(_same(h, held[0]) for h in held[1:])
+    return held[0]
+
+
+def _delta_push_after_step(model, shape, gen, delta):
+    """After the step: a delta push from every stage into the same generator, then a full push of the same weights
+    through rank 0 (``from_every_stage=False``, the funnel) into a fresh one; the tensors each holds, the delta
+    push's report (rank 0) and the tensor bytes each rank sent other trainer ranks in each push."""
+    from megatron_grpo.rollout.transfer.weight_sync import push_weights
+    from tests._generators import FileGenerator, trainer_sends
+
+    funnel, started = FileGenerator() if gen is not None else None, time.perf_counter()
+    with trainer_sends() as sent_delta:
+        report = push_weights(model, shape, gen, 2, dtype=torch.bfloat16, bucket_mb=0.02, delta=delta)
+    with trainer_sends() as sent_funnel:
+        push_weights(model, shape, funnel, 2, dtype=torch.bfloat16, bucket_mb=0.02, from_every_stage=False)
+    return dict(delta=None if gen is None else dict(_held(gen)), funnel=None if gen is None else funnel.weights,
+                full=report.full, sent_delta=sum(b for _, b in sent_delta), sent_funnel=sum(b for _, b in sent_funnel),
+                seconds=time.perf_counter() - started)
 
 
 def _refuse_pickled_tensors():
@@ -145,6 +212,45 @@ def _assert_equal_to_pp1(ranks, name, layout, prefixes=("precision/", "clip/", "
             torch.testing.assert_close(weights[key], w, atol=1e-6, rtol=0, msg=f"{name} {layout} {key}")
 
 
+def _same(a, b):
+    return sorted(a) == sorted(b) and all(a[n].dtype == b[n].dtype and torch.equal(a[n].view(torch.uint8),
+                                                                                  b[n].view(torch.uint8)) for n in a)
+
+
+def _check_stage_pushes(ranks, name, layout):
+    """The push from every stage (``stage_push.py``) at ``layout`` (PP = 2) against PP = 1's: the generator holds
+    the same tensors bit for bit (bf16 through files, fp8, gloo twice over one group; after the step a delta push
+    equals the funnel's full push); each stage's leader sent exactly its own stage's tensors (by layer offset) and
+    their bytes, rank 0 counts each stage's; no tensor crossed between trainer ranks (the funnel moves stage 1's
+    bytes through rank 0, rank 1's sends = its stage's bytes)."""
+    ref, pushes = ranks[0][name][1][4]["generator"], ranks[0][name][layout][4]["generator"]
+    kinds = [k for k in ("bf16", "fp8", "gloo", "gloo_again") if k in ref]
+    assert kinds[0] == "bf16" and (name != "tied" or "fp8" in kinds) and (name != "untied" or not HAVE_VLLM
+                                                                          or "gloo" in kinds), kinds
+    for kind in kinds:
+        assert _same(pushes[kind]["weights"], ref[kind]["weights"]), (name, layout, kind)
+        whole = ref[kind]["weights"]
+        assert sorted(pushes[kind]["names"]) == sorted(whole) and pushes[kind]["stage_bytes"] is not None
+        for rank, results in enumerate(ranks):
+            stage, mine = results[name][layout][4], results[name][layout][4]["generator"][kind]
+            names = mine["names"] if rank else [n for n in mine["names"] if n not in ranks[1][name][layout][4][
+                "generator"][kind]["names"]]
+            layers = {int(n.split(".")[2]) for n in names if n.startswith("model.layers.")}
+            assert layers == set(range(stage["offset"], stage["offset"] + stage["layers"])), (name, layout, rank)
+            edge = {n for n in names if not n.startswith("model.layers.")}  # the embedding / the final norm, head
+            assert edge - {"lm_head.weight"} == ({"model.norm.weight"} if rank else {"model.embed_tokens.weight"})
+            own = sum(whole[n].numel() * whole[n].element_size() for n in names)
+            assert pushes[kind]["stage_bytes"][rank] == own and (rank == 0 or mine["bytes"] == own), (kind, rank)
+            assert mine["sent"] == 0, (name, layout, kind, rank)  # nothing between trainer ranks
+        if kind.startswith("gloo"):  # the stages' checksums reach rank 0's engine (the parity probe's)
+            assert "model.norm.weight" in pushes[kind]["digests"] and "model.layers.0.input_layernorm.weight" in \
+                pushes[kind]["digests"]
+    after = [r[name][layout][4]["generator"]["after"] for r in ranks]
+    assert not after[0]["full"] and _same(after[0]["delta"], after[0]["funnel"]) and after[0]["delta"]
+    assert after[0]["sent_delta"] == after[1]["sent_delta"] == 0
+    assert after[1]["sent_funnel"] == pushes["bf16"]["stage_bytes"][1] > 0  # the funnel: stage 1 through rank 0
+
+
 def test_pp2_step_equals_pp1(two_ranks):
     """... and the weight push: stage 1's leader sends its layers to rank 0 (names and shapes on the first
     push only); at PP = 1 x DP = 2 the second replica takes no part in the push at all."""
@@ -154,6 +260,7 @@ def test_pp2_step_equals_pp1(two_ranks):
         assert two_ranks[1][name][1][3][0][1] == [] and two_ranks[1][name][1][3][1][1] == []  # DP replica: none
         assert any(c[0] == "send_object_list" for c in two_ranks[1][name][2][3][0][1])  # PP: headers, first push
         _assert_equal_to_pp1(two_ranks, name, 2)
+        _check_stage_pushes(two_ranks, name, 2)
 
 
 def test_moe_routing_metrics_at_pp2_cover_every_stages_layers(two_ranks):
@@ -169,6 +276,7 @@ def test_moe_routing_metrics_at_pp2_cover_every_stages_layers(two_ranks):
                     "precision/beta_abs_mean_route_mismatch", "precision/beta_abs_mean_route_match"):
             assert metrics[key] == pytest.approx(ref[key], abs=1e-12, rel=1e-9), key
     check_pushes([r["moe"][2][3] for r in two_ranks], two_ranks[0]["moe"][2][1])
+    _check_stage_pushes(two_ranks, "moe", 2)
 
 
 def test_uneven_stages_place_load_train_and_push_like_pp1(two_ranks, five_layers):
@@ -198,6 +306,7 @@ def test_uneven_stages_place_load_train_and_push_like_pp1(two_ranks, five_layers
                 assert torch.equal(stage["initial"][key], tensor), (layout, key)
         _assert_equal_to_pp1(two_ranks, "five", layout)
         check_pushes([r["five"][layout][3] for r in two_ranks], two_ranks[0]["five"][layout][1])
+        _check_stage_pushes(two_ranks, "five", layout)
 
 
 SPLITS = [  # (num_layers, pp, PipelineSplit fields)

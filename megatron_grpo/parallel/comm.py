@@ -112,6 +112,16 @@ def all_gather_object(obj, group=None) -> list:
     return out
 
 
+def gather_object(obj, dst: int = 0) -> Optional[list]:
+    """``[obj of rank 0, obj of rank 1, ...]`` of the world on global rank ``dst``, None elsewhere (``[obj]`` when
+    not distributed). Metadata only (names, numbers, strings)."""
+    if not _active(world_group()):
+        return [obj]
+    out = [None] * dist.get_world_size() if dist.get_rank() == dst else None
+    dist.gather_object(obj, out, dst=dst)
+    return out
+
+
 def pipeline_group():
     """This rank's pipeline-parallel group (None before Megatron's parallel state exists)."""
     from megatron.core import parallel_state as ps

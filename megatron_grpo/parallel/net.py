@@ -138,6 +138,16 @@ def reachable_interface(interfaces: Optional[Mapping[str, List[str]]] = None,
     return None, None
 
 
+def node_address(env: Mapping[str, str] = os.environ,
+                 interfaces: Optional[Mapping[str, List[str]]] = None) -> Optional[str]:
+    """The address other nodes reach this node at: the first non-loopback address of the interface gloo is
+    bound to (``GLOO_SOCKET_IFNAME``: ``bind_gloo_to_route`` sets it on every node of a multi-node world), else
+    the default route's (``reachable_interface``); None when there is none."""
+    interfaces = interface_addresses() if interfaces is None else interfaces
+    bound = [a for a in interfaces.get(env.get(GLOO_IFNAME_ENV, ""), []) if not is_loopback(a)]
+    return bound[0] if bound else reachable_interface(interfaces)[1]
+
+
 def is_loopback(address: str) -> bool:
     try:
         return ipaddress.ip_address(address).is_loopback

@@ -31,6 +31,7 @@ from typing import Callable, Iterable, List, Optional, Sequence, Set, Tuple
 import torch
 
 from megatron_grpo.rollout.transfer.fanout import fan_out, fan_out_streams
+from megatron_grpo.rollout.transfer.stage_push import StageFiles, StagePlan, plan_push
 from megatron_grpo.rollout.types import GeneratorError, RolloutEngine, Rollouts, Sampling
 
 logger = logging.getLogger(__name__)
@@ -375,9 +376,30 @@ class EnginePool(RolloutEngine):
         targets = [i for i, e in enumerate(self.engines) if e.policy_version != version or i in self._needs_push]
         return targets or list(range(len(self.engines)))
 
+    def stage_plan(self, version: int, num_stages: int, **options) -> Optional[StagePlan]:
+        """The plan of a push of ``version`` from every pipeline stage to the engines behind it (``stage_push``),
+        kept for ``update_weights``."""
+        targets = self.push_targets(version)
+        plan = plan_push([self.engines[i] for i in targets], targets, version, num_stages, **options)
+        self._stage_files, self._stage_targets = StageFiles.of(plan), targets
+        return plan
+
+    def take_stage_files(self) -> Optional[StageFiles]:
+        """The planned push's stage files, once (None after ``update_weights`` took them)."""
+        files, self._stage_files = getattr(self, "_stage_files", None), None
+        return files
+
+    def add_stage_digests(self, digests: dict) -> None:
+        """The stage leaders' checksums, for each engine of the last planned push."""
+        for i in getattr(self, "_stage_targets", []):
+            add = getattr(self.engines[i], "add_stage_digests", None)
+            if add is not None:
+                add(digests)
+
     def update_weights(self, buckets, version: int) -> List[str]:
         """One fan-out push to the engines behind ``version`` (all of them when none is), each
-        bucket read concurrently by every target engine. Consumes ``buckets`` whatever happens."""
+        bucket read concurrently by every target engine (with a ``stage_plan``: every pipeline stage's).
+        Consumes ``buckets`` whatever happens."""
         targets = self.push_targets(version)
         if len(targets) < len(self.engines):
             logger.info("pushing weights version %d to engine(s) %s only (the others hold it already)", version,
@@ -387,8 +409,11 @@ class EnginePool(RolloutEngine):
             return self._run(targets[0], lambda e: e.update_weights(buckets, version))
         streams = any(getattr(e, "weight_transfer", "file") != "file" for e in engines)  # vLLM's transfer API
         try:
-            push = fan_out_streams if streams else fan_out
-            names = push(buckets, engines, version, names=lambda r: self.name(targets[r]))
+            if streams:
+                names = fan_out_streams(buckets, engines, version, names=lambda r: self.name(targets[r]))
+            else:
+                names = fan_out(buckets, engines, version, names=lambda r: self.name(targets[r]),
+                                stages=self.take_stage_files())
         except BaseException as exc:
             r = getattr(exc, "engine_index", None)
             if r is not None:

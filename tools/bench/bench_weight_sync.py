@@ -14,6 +14,9 @@ Usage: python tools/bench/bench_weight_sync.py [--model DIR | --hidden 1024 --la
        python tools/bench/bench_weight_sync.py [--model DIR] --delta-push 1e-6,1e-5,1e-4 [--pushes 5] [--transports file,gloo]
          (``generation.delta_push`` measured: per lr, after each of ``--pushes`` AdamW steps the same engine gets a
          delta push and then a full push of the same weights: bytes and seconds side by side)
+       torchrun --nproc-per-node 2 tools/bench/bench_weight_sync.py [--model DIR | --hidden H --layers L] --stages
+         [--transports file,gloo] (PP = 2: the push through rank 0 vs from every stage, seconds and the bytes each
+         rank sends to the generator and to other trainer ranks, side by side)
        python tools/bench/bench_weight_sync.py [--model DIR] --fp8-delta 1e-6,1e-5 [--pushes 5] [--fp8-block 32]
          (push bytes per step, dense and delta, bf16 vs fp8 generation side by side on the same weights, and the
          share of bf16 values / e4m3 values / block scales one AdamW step changes; in-process receivers that
@@ -23,6 +26,7 @@ Usage: python tools/bench/bench_weight_sync.py [--model DIR | --hidden 1024 --la
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
@@ -257,6 +261,74 @@ def bench_fp8_delta(model, shape, lrs, pushes: int, bucket_mb: float, block: int
     return rows
 
 
+def bench_stages(model, shape, model_dir, dtype, transport: str, bucket_mb: float, repeats: int):
+    """PP = 2 under torchrun: pushes into one vLLM engine (rank 0's), the funnel (``from_every_stage=False``: stage
+    1's leader sends its layers to rank 0, which sends everything) and the push from every stage taking turns.
+    Returns rank 0's {mode: (median seconds, [(bytes to the generator, bytes to other trainer ranks) per rank])}."""
+    import torch.distributed as dist
+
+    from megatron_grpo.parallel import comm
+    from megatron_grpo.rollout.engines.vllm_engine import VLLMEngine
+    from megatron_grpo.rollout.transfer.weight_sync import push_weights
+
+    rank = dist.get_rank()
+    engine = VLLMEngine(model_dir, dtype, max_model_len=128, is_moe=shape.is_moe,
+                        weight_transfer=transport) if rank == 0 else None
+    modes, out = {"funnel (rank 0)": False, "every stage": True}, {}
+    try:
+        for every in modes.values():  # warm-up (gloo: each handshake)
+            push_weights(model, shape, engine, 0, dtype=dtype, bucket_mb=bucket_mb, from_every_stage=every)
+        seconds = {m: [] for m in modes}
+        for version in range(1, repeats + 1):
+            for mode, every in modes.items():
+                comm.barrier()
+                with _trainer_sends() as sent:
+                    start = time.perf_counter()
+                    report = push_weights(model, shape, engine, version, dtype=dtype, bucket_mb=bucket_mb,
+                                          from_every_stage=every)
+                    seconds[mode].append(time.perf_counter() - start)
+                to_generator = report.stage_bytes[0] if (rank == 0 and report.stage_bytes) else report.num_bytes
+                out[mode] = comm.gather_object((to_generator, sum(sent)))
+    finally:
+        if engine is not None:
+            engine.close()
+    return {m: (statistics.median(seconds[m]), out[m]) for m in modes}
+
+
+class _trainer_sends:
+    """Tensor bytes this rank sends other trainer ranks (``torch.distributed`` send / gather) inside the block."""
+
+    def __enter__(self):
+        import torch.distributed as dist
+
+        self.sent, self.originals = [], {n: getattr(dist, n) for n in ("send", "isend", "gather")}
+        for name, fn in self.originals.items():
+            setattr(dist, name, self._spy(fn))
+        return self.sent
+
+    def _spy(self, fn):
+        def wrapped(tensor, *args, **kwargs):
+            self.sent.append(tensor.numel() * tensor.element_size())
+            return fn(tensor, *args, **kwargs)
+        return wrapped
+
+    def __exit__(self, *exc):
+        import torch.distributed as dist
+
+        for name, fn in self.originals.items():
+            setattr(dist, name, fn)
+
+
+def _print_stages(model_dir, args, transport, rows) -> None:
+    print(f"model={model_dir} dtype={args.dtype} PP=2 (2 ranks) transport={transport} bucket={args.bucket_mb} MiB "
+          f"(median of {args.repeats} pushes each, taking turns)")
+    print(f"{'push':<18}{'ms / push':>11}{'rank':>6}{'MiB to generator':>18}{'MiB to trainer ranks':>22}")
+    for mode, (seconds, per_rank) in rows.items():
+        for rank, (to_gen, to_trainer) in enumerate(per_rank):
+            print(f"{mode if rank == 0 else '':<18}{f'{seconds * 1e3:.1f}' if rank == 0 else '':>11}{rank:>6}"
+                  f"{to_gen / 2**20:>18.2f}{to_trainer / 2**20:>22.2f}")
+
+
 def _print_fp8_delta(model_dir, pushes, block, rows) -> None:
     print(f"model={model_dir}: push bytes per step, bf16 vs fp8 generation ([{block}, {block}] blocks), median of "
           f"{pushes} AdamW steps (random gradients); 'changed' = share of generator values one step changes")
@@ -308,6 +380,9 @@ def _parser() -> argparse.ArgumentParser:
                         help="comma-separated lrs: dense and delta push bytes, bf16 vs fp8 generation (no vLLM)")
     parser.add_argument("--fp8-block", type=int, default=None, help="--fp8-delta: block side (default: head_dim, "
                                                                     "at most 128)")
+    parser.add_argument("--stages", action="store_true",
+                        help="under torchrun --nproc-per-node 2: PP = 2, the funnel through rank 0 vs the push from "
+                             "every stage (seconds, bytes each rank sends), per --transports value")
     parser.add_argument("--split", action="store_true",
                         help="where a file push's time goes: gather, file write, vLLM's load (side by side)")
     return parser
@@ -320,8 +395,22 @@ def main() -> None:
     from megatron_grpo.models.tiny import make_sized_model
     from megatron_grpo.parallel import state
 
-    model_dir = args.model or make_sized_model(args.hidden, args.layers, prefix="bench-weight-sync-")
     dtype = getattr(torch, args.dtype)
+    if args.stages:
+        from megatron_grpo.parallel import comm
+
+        state.init_distributed()
+        world, first = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"]) == 0
+        model_dir = comm.broadcast_object(args.model or (make_sized_model(args.hidden, args.layers, prefix="bench-pp-")
+                                                         if first else None))
+        state.initialize_model_parallel(state.Layout(world_size=world, pp=2))
+        model, shape = build_from_hf(model_dir)
+        for transport in args.transports.split(","):
+            rows = bench_stages(model, shape, model_dir, dtype, transport, args.bucket_mb, args.repeats)
+            if first:
+                _print_stages(model_dir, args, transport, rows)
+        return
+    model_dir = args.model or make_sized_model(args.hidden, args.layers, prefix="bench-weight-sync-")
     state.initialize_model_parallel(state.Layout(world_size=1))
     model, shape = build_from_hf(model_dir)
     if args.fp8_delta:

@@ -23,6 +23,7 @@ from megatron_grpo.models.fp8 import FP8_DTYPE
 from megatron_grpo.models.fp8_hf import engine_keeps_bytes
 from megatron_grpo.rollout.engines import vllm_worker
 from megatron_grpo.rollout.transfer.fanout import UNKNOWN_VERSION, fan_out
+from megatron_grpo.rollout.transfer.stage_push import StagePushEngine
 from megatron_grpo.rollout.transfer.transport import DELTA_TRANSPORTS, VLLMTransfer, digesting
 from megatron_grpo.rollout.types import GeneratorError, Rollout, RolloutEngine, Rollouts, Sampling
 
@@ -43,7 +44,7 @@ def fp8_engine_options(quantization: Optional[dict]) -> dict:
     return {"quantization": "fp8", "hf_overrides": {"quantization_config": quantization}, "load_format": "dummy"}
 
 
-class VLLMEngine(RolloutEngine):
+class VLLMEngine(StagePushEngine, RolloutEngine):
     """vLLM in a spawned process; ``generate``/``score``/``update_weights`` are blocking RPCs."""
 
     def __init__(self, model_dir: str, dtype: torch.dtype, *, max_model_len: int = 512, seed: int = 0,
@@ -157,7 +158,7 @@ class VLLMEngine(RolloutEngine):
         each bucket as one file (``fanout.fan_out``, here with a single reader); otherwise one round
         of vLLM's weight-transfer API (``LLM.start_weight_update`` / ``update_weights`` / ``finish``)."""
         if self._transfer is None:
-            return fan_out(buckets, [self], version)
+            return fan_out(buckets, [self], version, stages=self.take_stage_files())
         self.pushed_digests = {}
         try:
             names = self._transfer.push(digesting(buckets, self.pushed_digests, self.digest_filter), version)
@@ -166,6 +167,11 @@ class VLLMEngine(RolloutEngine):
             raise
         self.policy_version = version
         return names
+
+    @property
+    def transfer(self):
+        """The ``transfer.VLLMTransfer`` of this engine (None with ``file``)."""
+        return self._transfer
 
     @property
     def digest_filter(self):

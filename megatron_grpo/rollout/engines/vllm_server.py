@@ -40,6 +40,7 @@ from megatron_grpo.compat.vllm import json_safe_update_payload
 from megatron_grpo.models.fp8_hf import engine_keeps_bytes
 from megatron_grpo.rollout.engines.vllm_engine import DTYPE_NAMES, fp8_engine_options
 from megatron_grpo.rollout.transfer.fanout import UNKNOWN_VERSION, fan_out
+from megatron_grpo.rollout.transfer.stage_push import StagePushEngine
 from megatron_grpo.rollout.transfer.transport import DELTA_TRANSPORTS, VLLMTransfer, default_address, digesting
 from megatron_grpo.rollout.types import GeneratorError, Rollout, RolloutEngine, Rollouts, Sampling
 
@@ -97,7 +98,7 @@ def server_args(quantization: Optional[dict]) -> List[str]:
             "--load-format", options["load_format"]]
 
 
-class VLLMServerEngine(RolloutEngine):
+class VLLMServerEngine(StagePushEngine, RolloutEngine):
     """Client of a vLLM OpenAI-compatible server (launched here unless ``url`` is given)."""
 
     def __init__(self, model_dir: str, dtype: torch.dtype, *, url: Optional[str] = None, max_model_len: int = 512,
@@ -263,7 +264,7 @@ class VLLMServerEngine(RolloutEngine):
         """``file``: each bucket a safetensors file (``fanout.fan_out``, one reader). Otherwise vLLM's
         weight-transfer round between ``/pause`` and ``/resume``."""
         if self._transfer is None:
-            return fan_out(buckets, [self], version)
+            return fan_out(buckets, [self], version, stages=self.take_stage_files())
         self.pushed_digests = {}
         self._post("/pause?mode=wait", {}, retry=False)  # finish what runs, then clear the prefix cache
         try:

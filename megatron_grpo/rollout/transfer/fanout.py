@@ -28,8 +28,8 @@ import queue
 import tempfile
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Dict, Iterable, List, Sequence, Tuple
+from concurrent.futures import ThreadPoolExecutor, wait
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -115,13 +115,19 @@ class SharedFileFanout:
         self._count = 0
         self.bytes_written = 0
 
-    def publish(self, bucket: Bucket) -> List[str]:
+    def publish(self, bucket: Bucket, name: Optional[str] = None) -> List[str]:
         """Writes ``bucket`` once; returns one path per reader (hard links of that file). The folder
-        is chosen per bucket (``pick_folder``): room for this bucket and the others in flight."""
+        is chosen per bucket (``pick_folder``): room for this bucket and the others in flight. ``name``: the
+        file's name in ``folder``, which must have the room (a stage leader's file, where rank 0 looks for it:
+        ``stage_push.py``)."""
         needed = (bucket_bytes(bucket) + SAFETENSORS_HEADER_SLACK) * self.max_in_flight
-        self.folder = pick_folder(self.folder, needed)  # after a fallback (warned once) stays on the fallback
-        fd, base = tempfile.mkstemp(prefix="megatron-grpo-bucket-", suffix=".safetensors", dir=self.folder)
-        os.close(fd)
+        if name is None:
+            self.folder = pick_folder(self.folder, needed)  # after a fallback (warned once) stays on the fallback
+            fd, base = tempfile.mkstemp(prefix="megatron-grpo-bucket-", suffix=".safetensors", dir=self.folder)
+            os.close(fd)
+        else:
+            pick_folder(self.folder, needed, fallback=self.folder)  # no other folder: an error when full
+            base = os.path.join(self.folder, name)
         try:
             from safetensors.torch import save_file
 
@@ -171,19 +177,20 @@ def _unlink(path: str) -> None:
 
 
 def fan_out(buckets: Iterable[Bucket], engines: Sequence, version: int, *, names: Callable[[int], str] = None,
-            max_in_flight: int = 2) -> List[str]:
+            max_in_flight: int = 2, stages=None) -> List[str]:
     """Pushes ``buckets`` to every engine of ``engines`` at once; returns the names pushed.
 
     Each engine implements the file-push seam: ``begin_weight_push()``, ``push_file(path)`` (takes
     ownership of ``path`` and unlinks it once read), ``end_weight_push(version)``. The buckets are
     consumed completely even when an engine fails (the gathers behind them are collective). The
     first engine error is re-raised after every engine has finished, with ``engine_index`` set.
+    ``stages`` (``stage_push.StageFiles``): stages > 0's files, handed to every engine as they become ready
+    beside ``buckets`` (stage 0's); a stage's error ends the push on every engine (as a failed gather does).
     """
     fanout = SharedFileFanout(len(engines), max_in_flight=max_in_flight)
-    feeds = [queue.Queue() for _ in engines]
+    feeds, done = [queue.Queue() for _ in engines], [threading.Event() for _ in engines]
     errors: List[BaseException] = [None] * len(engines)
-    done = [threading.Event() for _ in engines]
-    pushed: List[str] = []
+    pushed, lock, aborted = [], threading.Lock(), []
 
     def feed(r: int) -> None:
         try:
@@ -191,32 +198,58 @@ def fan_out(buckets: Iterable[Bucket], engines: Sequence, version: int, *, names
         finally:
             done[r].set()
 
-    with ThreadPoolExecutor(max_workers=len(engines), thread_name_prefix="weight-push") as pool:
+    def dispatch(r: int, path: str) -> None:  # a stage's file (collector thread)
+        with lock:
+            if aborted or done[r].is_set():
+                _unlink(path)
+            else:
+                feeds[r].put(path)
+
+    def reading(r: int) -> bool:
+        return not done[r].is_set() and _alive(engines[r])
+
+    with ThreadPoolExecutor(max_workers=len(engines) + 1, thread_name_prefix="weight-push") as pool:
         futures = [pool.submit(feed, r) for r in range(len(engines))]
+        collector = None if stages is None else pool.submit(stages.collect, dispatch, reading)
         try:
             for bucket in buckets:
                 pushed.extend(name for name, _ in bucket)
-                fanout.wait_for_room(lambda r: not done[r].is_set() and _alive(engines[r]))
-                live = [r for r in range(len(engines)) if not done[r].is_set()]
-                if not live:
-                    continue  # every engine failed: keep gathering (collective), publish nothing
-                for r, path in enumerate(fanout.publish(bucket)):
-                    if r in live:
-                        feeds[r].put(path)
-                    else:
-                        _unlink(path)
+                _publish(fanout, bucket, feeds, reading, done)
+            failure = None if collector is None else collector.result()
+            if failure is not None:
+                raise PushAborted(failure)
         except BaseException as exc:
-            for f in feeds:
-                f.put(_Abort(exc))
+            with lock:
+                aborted.append(exc)
+                for f in feeds:
+                    f.put(_Abort(exc))
             raise
         finally:
+            if collector is not None:
+                wait([collector])  # the stages' leaders finish whatever rank 0 does
             for f in feeds:
                 f.put(None)
             for fut in futures:
                 fut.result()
             fanout.close()
+            if stages is not None:
+                stages.close()
     _raise_first(errors, names)
     return pushed
+
+
+def _publish(fanout: SharedFileFanout, bucket: Bucket, feeds, reading, done) -> None:
+    """One bucket written once and handed to the engines still reading (none left: the gathers go on, nothing
+    is written)."""
+    fanout.wait_for_room(reading)
+    live = [r for r in range(len(feeds)) if not done[r].is_set()]
+    if not live:
+        return
+    for r, path in enumerate(fanout.publish(bucket)):
+        if r in live:
+            feeds[r].put(path)
+        else:
+            _unlink(path)
 
 
 def _feed_files(engine, paths: Iterable, version: int):

@@ -103,6 +103,22 @@ class VLLMTransfer:
     def opened(self) -> bool:
         return self._sender is not None
 
+    def set_senders(self, num_senders: int) -> None:
+        """Pushes come from ``num_senders`` trainer ranks (gloo: one per pipeline stage, ``stage_push.py``); a
+        transfer open with another count is closed, and the next push opens a new group."""
+        if num_senders == self.endpoint.num_senders:
+            return
+        if self.backend != "gloo":
+            raise ValueError(f"generation.weight_transfer={self.backend}: vLLM's {self.backend} engine takes one sender")
+        self.close()
+        self.endpoint.num_senders, self.endpoint.master_port = num_senders, free_port(self.endpoint.master_address)
+
+    def set_address(self, address: str) -> None:
+        """The group meets at ``address`` (one every sender and worker reaches); an open transfer is closed."""
+        if address != self.endpoint.master_address:
+            self.close()
+            self.endpoint.master_address, self.endpoint.master_port = address, free_port(address)
+
     def open(self) -> None:
         """The handshake (once): the engine's workers join the group inside ``init_weight_transfer_engine``."""
         if self.backend == "gloo":

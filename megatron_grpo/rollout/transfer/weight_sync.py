@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -31,6 +32,7 @@ from megatron_grpo.models.weights import RankPlacement, _device, _export_order, 
 from megatron_grpo.parallel import comm
 from megatron_grpo.rollout.parity import ParityError
 from megatron_grpo.rollout.transfer import delta as D
+from megatron_grpo.rollout.transfer.stage_push import StagePlan, send_stage
 from megatron_grpo.rollout.transfer.transport import DIGEST_MAX_NUMEL
 from megatron_grpo.rollout.types import GeneratorError
 
@@ -59,6 +61,8 @@ class PushReport:
     full: bool = True
     seconds: float = 0.0
     max_bucket_bytes: int = 0
+    stage_bytes: Optional[dict] = None
+    """A push from every pipeline stage (rank 0's report): bytes each stage's leader sent, by stage."""
 
 
 def hf_buckets(model, shape, dtype: torch.dtype, bucket_bytes: int, report: PushReport,
@@ -363,26 +367,46 @@ def _patches_agreed(delta: D.DeltaState, patches: bool) -> bool:
     return delta.patches_agreed
 
 
+def _stage_plan(engine, version: int, bucket_bytes: int) -> Optional[StagePlan]:
+    """Rank 0's engine's plan of a push from every pipeline stage (``stage_push.py``), on every rank; None: the
+    stages forward to rank 0 (vLLM's nccl / ipc engines, files across nodes, engines without a plan)."""
+    plan = None
+    if _my_rank() == 0 and hasattr(engine, "stage_plan"):
+        world, stages = comm.group_size(comm.world_group()), ps.get_pipeline_model_parallel_world_size()
+        same_host = stage_leader(stages - 1) < int(os.environ.get("LOCAL_WORLD_SIZE", world))  # torchrun: node-major
+        plan = engine.stage_plan(version, stages, same_host=same_host, bucket_bytes=bucket_bytes)
+    return comm.broadcast_object(plan, src=0)
+
+
 def push_weights(model, shape, engine, version: int, *, dtype: torch.dtype, bucket_mb: float = 64.0,
                  transform: Optional[Transform] = None, delta: Optional[D.DeltaState] = None,
-                 fp8: Optional[Fp8Recipe] = None) -> PushReport:
+                 fp8: Optional[Fp8Recipe] = None, from_every_stage: bool = True) -> PushReport:
     """Pushes the current weights to ``engine`` (held by one rank; others pass ``engine=None``).
 
-    Every rank must call this (the TP/EP gathers are collective). ``delta`` (every rank's own): a
-    delta push (``delta.py``) when due; pipeline-parallel layouts and engines that cannot apply patches
-    (``accepts_delta_push`` false: vLLM's nccl and ipc engines) get full pushes. ``dtype`` fp8 (the precision
-    token ``torch.float8_e4m3fn``, with its ``fp8`` recipe): the FP8 linears as e4m3 + scales, the rest in bf16.
+    Every rank must call this (the TP/EP gathers are collective). With PP > 1 each stage's leader sends its
+    own layers to the engines (``stage_push.py``) where the transport allows (file, gloo), else (and with
+    ``from_every_stage`` false) they go through rank 0. ``delta`` (every rank's own): a delta push
+    (``delta.py``) when due; engines that cannot apply patches (``accepts_delta_push`` false: vLLM's nccl and
+    ipc engines), and stages that go through rank 0, get full pushes. ``dtype`` fp8 (the precision token
+    ``torch.float8_e4m3fn``, with its ``fp8`` recipe): the FP8 linears as e4m3 + scales, the rest in bf16.
     """
     if dtype == FP8_DTYPE:
         assert fp8 is not None, "an fp8 push needs its recipe (policy.precision.fp8)"
         dtype = OUTPUT_DTYPE
     report = PushReport(version=version)
     started = time.perf_counter()
-    if delta is not None and ps.get_pipeline_model_parallel_world_size() > 1:
-        _warn_once("generation.delta_push: pipeline-parallel layouts push full weights (stages > 0 forward "
-                   "tensors to rank 0 without change masks)")
+    bucket_bytes = int(bucket_mb * 2**20)
+    plan = None
+    if ps.get_pipeline_model_parallel_world_size() > 1 and from_every_stage:
+        plan = _stage_plan(engine, version, bucket_bytes)
+    elif _my_rank() == 0 and hasattr(engine, "stage_plan"):
+        engine.stage_plan(version, 1)  # one sender again (a gloo group opened for every stage is re-opened)
+    if delta is not None and ps.get_pipeline_model_parallel_world_size() > 1 and plan is None:
+        _warn_once("generation.delta_push: this pipeline-parallel push goes through rank 0 (stages > 0 forward "
+                   "their tensors without change masks): full weights")
         delta = None
-    patches = engine is not None and bool(getattr(engine, "accepts_delta_push", False))
+    patches = plan.patches if plan is not None else engine is not None and bool(getattr(engine, "accepts_delta_push",
+                                                                                         False))
     if delta is not None:
         report.full = delta.start()
         if not report.full and not _patches_agreed(delta, patches):
@@ -391,10 +415,13 @@ def push_weights(model, shape, engine, version: int, *, dtype: torch.dtype, buck
                 _warn_once(f"generation.delta_push: {getattr(engine, 'describe', lambda: 'the engine')()} cannot "
                            "apply patches (the file and gloo transports can; vLLM's nccl and ipc engines cannot); "
                            "pushing full weights")
-    buckets = hf_buckets(model, shape, dtype, int(bucket_mb * 2**20), report, transform, delta=delta,
-                         patches=patches, fp8=fp8)
+    buckets = hf_buckets(model, shape, dtype, bucket_bytes, report, transform, per_stage=plan is not None,
+                         delta=delta, patches=patches, fp8=fp8)
     try:
-        _send(engine, buckets, version, report)
+        if plan is None:
+            _send(engine, buckets, version, report)
+        else:
+            _send_from_stages(engine, buckets, version, report, plan)
     finally:
         if delta is not None:
             delta.finish()
@@ -402,3 +429,45 @@ def push_weights(model, shape, engine, version: int, *, dtype: torch.dtype, buck
     logger.debug("pushed %d tensors (%.1f MB) as version %d in %.2f s", len(report.names), report.num_bytes / 2**20,
                  version, report.seconds)
     return report
+
+
+def _send_from_stages(engine, buckets, version: int, report: PushReport, plan: StagePlan) -> None:
+    """Rank 0 sends stage 0's buckets, each other stage's leader its own (``stage_push.send_stage``), at once;
+    then rank 0 gathers the leaders' reports (names, bytes, checksums, errors) into ``report``."""
+    stage, me = ps.get_pipeline_model_parallel_rank(), _my_rank()
+    mine, failure = None, None
+    if me == 0:
+        try:
+            _send(engine, buckets, version, report)
+        except BaseException as exc:  # noqa: BLE001 - raised once the leaders' reports are in
+            failure = exc
+        unread = getattr(engine, "take_stage_files", lambda: None)()
+        if unread is not None:  # the engine failed before it took the stages' files: free them, end the leaders
+            unread.drain()
+    elif me == stage_leader(stage):
+        started = time.perf_counter()
+        mine = dict(send_stage(plan, stage, buckets), names=report.names, stage=stage, rank=me,
+                    num_bytes=report.num_bytes, dense_bytes=report.dense_bytes, num_patched=report.num_patched,
+                    max_bucket_bytes=report.max_bucket_bytes)
+        mine["seconds"] = time.perf_counter() - started
+    else:
+        for _ in buckets:  # the gathers this rank takes part in
+            pass
+    gathered = comm.gather_object(mine, dst=0)
+    if me != 0:
+        return
+    report.stage_bytes = {0: report.num_bytes}
+    for part in (p for p in gathered if p is not None):
+        report.names.extend(part["names"])
+        report.num_bytes += part["num_bytes"]
+        report.dense_bytes += part["dense_bytes"]
+        report.num_patched += part["num_patched"]
+        report.max_bucket_bytes = max(report.max_bucket_bytes, part["max_bucket_bytes"])
+        report.stage_bytes[part["stage"]] = part["num_bytes"]
+        if part["error"] is not None and failure is None:
+            failure = ParityError(f"weight push of version {version}: pipeline stage {part['stage']}'s leader (rank "
+                                  f"{part['rank']}) failed: {part['error']}")
+        if engine is not None and hasattr(engine, "add_stage_digests"):
+            engine.add_stage_digests(part["digests"])
+    if failure is not None:
+        raise failure
