@@ -353,6 +353,68 @@ def test_pipeline_split_places_layers_as_megatron_does():
             pass
 
 
+VPP_SPLITS = [  # (num_layers, pp, vpp, PipelineSplit fields, the chunks' layers [stage][chunk])
+    (8, 2, 2, {}, [[2, 2], [2, 2]]), (12, 2, 3, {}, [[2, 2, 2], [2, 2, 2]]), (8, 4, 2, {}, [[1, 1]] * 4),
+    (94, 4, 2, dict(num_layers_in_first_pipeline_stage=22, num_layers_in_last_pipeline_stage=24),
+     [[11, 11], [12, 12], [12, 12], [12, 12]]),
+    (94, 4, 2, dict(account_for_embedding_in_pipeline_split=True, account_for_loss_in_pipeline_split=True),
+     [[11, 12], [12, 12], [12, 12], [12, 11]]),
+    (7, 2, 2, dict(account_for_loss_in_pipeline_split=True), [[2, 2], [2, 1]]),
+]
+BAD_VPP_SPLITS = [(6, 2, 4, {}), (5, 2, 2, dict(num_layers_in_first_pipeline_stage=3)),
+                  (3, 2, 2, dict(account_for_loss_in_pipeline_split=True))]
+
+
+def test_virtual_stages_place_model_chunks_as_megatron_does():
+    """Interleaved virtual stages: ``PipelineSplit.chunk_layers`` / ``chunk_offsets`` (the dry run, the memory
+    plan, validation) against Megatron-Core's ``get_num_layers_to_build`` / ``get_transformer_layer_offset`` for
+    every (stage, virtual stage) of even, uneven and embedding / loss-accounted splits; a split whose chunks
+    cannot be equal is a ValueError naming the key, which Megatron's ``TransformerConfig`` refuses too (or
+    builds an empty chunk); the recipe refuses VPP at PP = 1 and, until every path is wired, VPP > 1."""
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    from megatron_grpo.config.schema import MegatronConfig
+    from megatron_grpo.parallel.stages import PipelineSplit
+
+    def config(num_layers, pp, split):
+        return TransformerConfig(num_layers=num_layers, hidden_size=64, num_attention_heads=4,
+                                 pipeline_model_parallel_size=pp, pipeline_dtype=torch.float32,
+                                 use_cpu_initialization=True, **split.config_kwargs(pp))
+
+    for num_layers, pp, vpp, fields, want in VPP_SPLITS:
+        split = PipelineSplit(**fields, virtual_pipeline_model_parallel_size=vpp)
+        c = config(num_layers, pp, split)
+        assert c.virtual_pipeline_model_parallel_size == vpp
+        assert split.chunk_layers(num_layers, pp) == want == [
+            [get_num_layers_to_build(c, vp_stage=v, pp_rank=s) for v in range(vpp)] for s in range(pp)], fields
+        offsets = split.chunk_offsets(num_layers, pp)
+        assert offsets == [[get_transformer_layer_offset(c, vp_stage=v, pp_rank=s) for v in range(vpp)]
+                           for s in range(pp)], fields
+        placed = sorted(o + i for s in range(pp) for o, n in zip(offsets[s], want[s]) for i in range(n))
+        assert placed == list(range(num_layers))  # every layer once
+    for num_layers, pp, vpp, fields in BAD_VPP_SPLITS:
+        split = PipelineSplit(**fields, virtual_pipeline_model_parallel_size=vpp)
+        with pytest.raises(ValueError, match="policy.megatron_cfg"):
+            split.chunk_layers(num_layers, pp)
+        try:
+            c = config(num_layers, pp, split)
+            assert 0 in [get_num_layers_to_build(c, vp_stage=v, pp_rank=s) for s in range(pp) for v in range(vpp)]
+        except (ValueError, AssertionError):
+            pass
+    with pytest.raises(ValueError, match=r"policy\.megatron_cfg\.virtual_pipeline_model_parallel_size=2 needs "
+                                         r"policy\.megatron_cfg\.pipeline_model_parallel_size > 1"):
+        MegatronConfig(virtual_pipeline_model_parallel_size=2)
+    with pytest.raises(ValueError, match=r"virtual_pipeline_model_parallel_size must be >= 1"):
+        MegatronConfig(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=0)
+    with pytest.raises(ValueError, match=r"virtual_pipeline_model_parallel_size=2: interleaved virtual pipeline "
+                                         r"stages are not wired yet \(.*model chunks' building"):
+        MegatronConfig(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2)
+    assert MegatronConfig(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=1).pipeline_split \
+        .config_kwargs(2) == {}
+
+
 def test_uneven_keys_are_checked_in_the_recipe_and_ignored_with_a_warning_at_pp1(caplog):
     """``policy.megatron_cfg``'s uneven-PP keys: a count below 1 or the two forms mixed are errors naming
     the keys when the recipe loads; at PP = 1 they do nothing, and a warning says so; a model they cannot

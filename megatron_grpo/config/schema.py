@@ -27,6 +27,13 @@ from megatron_grpo.parallel.stages import PipelineSplit, check_split
 
 logger = logging.getLogger(__name__)
 
+VPP_MISSING = ("the layer placement is (parallel/stages.py), but not the model chunks' building and HF weight "
+               "loading, Megatron's interleaved schedule over the chunk list in the training step and the "
+               "log-prob / shadow forwards, DDP / optimizer / finalize_model_grads over the chunks, the "
+               "checkpoints' per-chunk sharded state, the weight push and export at per-chunk layer offsets, "
+               "and the memory plan's in-flight chunks")
+"""What ``policy.megatron_cfg.virtual_pipeline_model_parallel_size`` > 1 still lacks (its refusal names it)."""
+
 @dataclass
 class MegatronConfig:
     """Megatron-Core parallel layout and backend (NeMo-RL's ``policy.megatron_cfg``)."""
@@ -45,6 +52,13 @@ class MegatronConfig:
     (layers + 1 [+ 1] split evenly; not with num_layers_in_first/last_pipeline_stage)."""
     account_for_loss_in_pipeline_split: bool = False
     """Uneven PP: the output layer and loss count as one layer, so the last stage builds one decoder layer fewer."""
+    virtual_pipeline_model_parallel_size: Optional[int] = None
+    """Interleaved PP (Megatron's name, VPP): model chunks per pipeline stage, each stage's layers split evenly
+    over them and placed round-robin (stage s's chunk v holds the v-th round's s-th block), run by Megatron's
+    interleaved 1F1B schedule: a smaller pipeline bubble for more point-to-point traffic. Needs
+    pipeline_model_parallel_size > 1, every stage's layer count divisible by it, and the micro-batches per
+    data-parallel rank a multiple of pipeline_model_parallel_size. null or 1 = off. Not wired yet: values above
+    1 are refused (what is missing is named)."""
     expert_model_parallel_size: int = 1
     """EP: splits MoE experts across ranks."""
     expert_tensor_parallel_size: int = 1
@@ -87,7 +101,11 @@ class MegatronConfig:
     """Megatron's DDP (gradient buffers and their reduction)."""
 
     def __post_init__(self):
-        check_split(self.pipeline_split)
+        check_split(self.pipeline_split, self.pipeline_model_parallel_size)
+        if self.pipeline_split.vpp > 1:
+            raise ValueError(f"policy.megatron_cfg.virtual_pipeline_model_parallel_size="
+                             f"{self.virtual_pipeline_model_parallel_size}: interleaved virtual pipeline stages are not "
+                             f"wired yet ({VPP_MISSING}); leave it null")
         if self.pipeline_model_parallel_size == 1 and not self.pipeline_split.is_even:
             logger.warning("policy.megatron_cfg: %s has no effect with pipeline_model_parallel_size=1",
                            self.pipeline_split.describe())
@@ -122,7 +140,8 @@ class MegatronConfig:
     def pipeline_split(self) -> PipelineSplit:
         """The four uneven-PP fields as one ``PipelineSplit``."""
         return PipelineSplit(self.num_layers_in_first_pipeline_stage, self.num_layers_in_last_pipeline_stage,
-                             self.account_for_embedding_in_pipeline_split, self.account_for_loss_in_pipeline_split)
+                             self.account_for_embedding_in_pipeline_split, self.account_for_loss_in_pipeline_split,
+                             self.virtual_pipeline_model_parallel_size)
 
 
 @dataclass

@@ -56,7 +56,7 @@ def validate_layout(layout: Layout, *, num_layers: Optional[int] = None, num_exp
                          f"({layout.etp}) = {layout.ep * layout.etp} does not divide world size / "
                          f"{prefix}.pipeline_model_parallel_size = {layout.world_size // layout.pp}")
     if num_layers is not None:
-        layout.split.layers_per_stage(num_layers, layout.pp)  # ValueError naming the keys
+        layout.split.chunk_layers(num_layers, layout.pp)  # ValueError naming the keys
     if layout.ep > 1 and num_experts is not None and not num_experts:
         raise ValueError(f"{prefix}.expert_model_parallel_size={layout.ep} needs a MoE model (num_experts > 0)")
     if num_experts and num_experts % layout.ep:
@@ -110,6 +110,7 @@ def initialize_model_parallel(layout: Layout, seed: int = 1234, timeout_minutes:
         context_parallel_size=layout.cp,
         expert_model_parallel_size=layout.ep,
         expert_tensor_parallel_size=layout.etp,
+        virtual_pipeline_model_parallel_size=layout.split.vpp if layout.split.vpp > 1 else None,
         distributed_timeout_minutes=timeout_minutes or DEFAULT_TIMEOUT_MINUTES,  # a timedelta there: floats work
         create_gloo_process_groups=(not cpu.cuda_available() if create_gloo_process_groups is None
                                     else create_gloo_process_groups),

@@ -25,6 +25,7 @@ from megatron_grpo.models.forward import completion_scores, model_device, pack
 from megatron_grpo.models.spec import configure_fp32_matmul, resolve_backend
 from megatron_grpo.observe.metrics_logger import MetricsLogger, build_trackers
 from megatron_grpo.parallel import state
+from megatron_grpo.parallel.stages import check_micro_batches
 from megatron_grpo.parallel.state import validate_layout
 from megatron_grpo.rollout import ROLLOUT_ENGINES
 from megatron_grpo.rollout.parity import ProbeBatch
@@ -185,6 +186,9 @@ def _check_batch(cfg: Config, layout) -> None:
         raise ValueError(f"policy.train_micro_batch_size={mbs} must divide the {rows // layout.dp} sequences per "
                          f"data-parallel rank with pipeline_model_parallel_size={layout.pp} (the pipeline's "
                          f"activation buffers have one shape)")
+    if layout.pp > 1 and not (cfg.policy.sequence_packing.enabled or cfg.policy.dynamic_batching.enabled):
+        check_micro_batches(layout.split, layout.pp, rows // layout.dp // mbs,
+                            f"{rows // layout.dp} sequences per data-parallel rank / policy.train_micro_batch_size={mbs}")
 
 
 def _eos_id(model_dir: str, tokenizer) -> int:

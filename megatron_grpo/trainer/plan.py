@@ -27,7 +27,8 @@ from megatron_grpo.config.schema import DTYPES, Config
 from megatron_grpo.models.fp8 import quantized_layer_ids
 from megatron_grpo.models.qwen3 import ModelShape
 from megatron_grpo.rollout.transfer.transport import DIGEST_MAX_NUMEL, resolve_transport
-from megatron_grpo.trainer.plan_activations import Term, activation_terms, logit_terms, moe_terms, stage_layers
+from megatron_grpo.trainer.plan_activations import (Term, activation_terms, logit_terms, moe_terms, stage_layer_ids,
+                                                     stage_layers)
 
 GIB = 1024 ** 3
 MC = "policy.megatron_cfg."
@@ -103,12 +104,15 @@ def _layer_params(shape: ModelShape, tp: int, moe: Optional[bool] = None) -> Tup
 
 
 def count_params(shape: ModelShape, *, tp: int = 1, pp: int = 1, ep: int = 1, etp: int = 1,
-                 stage: int = 0, stage_layers: Optional[Sequence[int]] = None) -> ParamCount:
+                 stage: int = 0, stage_layers: Optional[Sequence[int]] = None,
+                 layer_ids: Optional[Sequence[int]] = None) -> ParamCount:
     """Parameters of pipeline ``stage`` on one rank (Megatron's GPTModel for every family of ``models/families.py``);
-    ``stage_layers``: the decoder layers of every stage (None: an even split, layers / PP)."""
+    ``stage_layers``: the decoder layers of every stage (None: an even split, layers / PP); ``layer_ids``: the
+    stage's global layer indices where they are not one block (interleaved virtual stages)."""
     stage_layers = list(stage_layers) if stage_layers is not None else [shape.num_layers // pp] * pp
     start = sum(stage_layers[:stage])
-    layers = [_layer_params(shape, tp, shape.is_moe_layer(i)) for i in range(start, start + stage_layers[stage])]
+    ids = range(start, start + stage_layers[stage]) if layer_ids is None else layer_ids
+    layers = [_layer_params(shape, tp, shape.is_moe_layer(i)) for i in ids]
     embedding = shape.vocab_size * shape.hidden_size // tp
     num_dense = sum(dense for dense, _ in layers)
     if stage == 0:
@@ -404,7 +408,8 @@ def _stage_plan(cfg: Config, shape: ModelShape, world_size: int, stage: int) -> 
                        m.expert_tensor_parallel_size)
     dp, expert_dp = world_size // (tp * pp * m.context_parallel_size), world_size // (ep * etp * pp)
     layers = stage_layers(cfg, shape)
-    count = count_params(shape, tp=tp, pp=pp, ep=ep, etp=etp, stage=stage, stage_layers=layers)
+    count = count_params(shape, tp=tp, pp=pp, ep=ep, etp=etp, stage=stage, stage_layers=layers,
+                         layer_ids=stage_layer_ids(cfg, shape, stage))
     terms = _state_terms(cfg, count, dp * m.context_parallel_size, expert_dp) + activation_terms(cfg, shape, stage, dp)
     if stage == pp - 1:
         terms += logit_terms(cfg, shape)

@@ -91,12 +91,19 @@ def micro_batch(cfg: Config, shape: ModelShape) -> MicroBatch:
                       ("policy.train_micro_batch_size",) + common)
 
 
-def num_micro_batches_in_flight(cfg: Config, dp: int, stage: int) -> int:
-    """1F1B: stage k holds min(PP - k, micro-batches); every micro-batch holds at least one sequence."""
+def num_micro_batches_in_flight(cfg: Config, dp: int, stage: int) -> float:
+    """Micro-batches whose activations stage ``stage`` holds at once, in whole-stage units. 1F1B: min(PP - k, M).
+    Interleaved (V model chunks per stage): Megatron's warmup of 2 (PP - k - 1) + (V - 1) PP chunk forwards plus
+    the one in 1F1B, at most M V, each chunk 1/V of the stage's layers (stage 0: PP (1 + (PP - 1) / (PP V)) when
+    M is large). Every micro-batch holds at least one sequence."""
+    m = cfg.policy.megatron_cfg
     rows = cfg.grpo.num_prompts_per_step * cfg.grpo.num_generations_per_prompt
     per_batch = 1 if cfg.policy.sequence_packing.enabled or cfg.policy.dynamic_batching.enabled \
         else cfg.policy.train_micro_batch_size
-    return min(cfg.policy.megatron_cfg.pipeline_model_parallel_size - stage, max(1, -(-rows // (dp * per_batch))))
+    pp, vpp, num = m.pipeline_model_parallel_size, m.pipeline_split.vpp, max(1, -(-rows // (dp * per_batch)))
+    if vpp == 1:
+        return min(pp - stage, num)
+    return min(2 * (pp - stage - 1) + (vpp - 1) * pp + 1, num * vpp) / vpp
 
 
 def _scale(cfg: Config) -> float:
@@ -148,6 +155,14 @@ def stage_layers(cfg: Config, shape: ModelShape) -> List[int]:
     return m.pipeline_split.layers_per_stage(shape.num_layers, m.pipeline_model_parallel_size)
 
 
+def stage_layer_ids(cfg: Config, shape: ModelShape, stage: int) -> List[int]:
+    """The global indices of pipeline stage ``stage``'s decoder layers (one block per virtual stage's chunk)."""
+    m = cfg.policy.megatron_cfg
+    split, pp = m.pipeline_split, m.pipeline_model_parallel_size
+    chunks, offsets = split.chunk_layers(shape.num_layers, pp)[stage], split.chunk_offsets(shape.num_layers, pp)[stage]
+    return [first + i for first, n in zip(offsets, chunks) for i in range(n)]
+
+
 def activation_terms(cfg: Config, shape: ModelShape, stage: int, dp: int) -> List[Term]:
     """Activations and attention scores of the micro-batches in flight, with and without recompute."""
     num_in_flight = num_micro_batches_in_flight(cfg, dp, stage)
@@ -155,7 +170,7 @@ def activation_terms(cfg: Config, shape: ModelShape, stage: int, dp: int) -> Lis
     scores = layer_score_bytes(cfg, shape)
     num_layers_local = stage_layers(cfg, shape)[stage]
     mb = micro_batch(cfg, shape)
-    where = (f"{num_layers_local} layers x {num_in_flight} micro-batch(es) in flight of {mb.num_tokens:.0f} "
+    where = (f"{num_layers_local} layers x {num_in_flight:g} micro-batch(es) in flight of {mb.num_tokens:.0f} "
              f"tokens ({mb.mode})")
     terms = [
         Term("activations (no recompute)", per_layer * num_layers_local * num_in_flight, mb.keys,
@@ -197,10 +212,8 @@ def moe_terms(cfg: Config, shape: ModelShape, dp: int, stage: int = 0) -> List[T
     micro-batches)."""
     m, p = cfg.policy.megatron_cfg, cfg.policy.precision
     mb = micro_batch(cfg, shape)
-    layers_per_stage = stage_layers(cfg, shape)
-    first = sum(layers_per_stage[:stage])
     size = DTYPES[p.compute_dtype].itemsize
-    layers = sum(shape.is_moe_layer(i) for i in range(first, first + layers_per_stage[stage]))  # this stage's MoE layers
+    layers = sum(shape.is_moe_layer(i) for i in stage_layer_ids(cfg, shape, stage))  # this stage's MoE layers
     f = shape.moe_ffn_hidden_size / m.expert_tensor_parallel_size
     tp = m.tensor_model_parallel_size
     sp = resolve_sequence_parallel(m.sequence_parallel, tp, shape)
