@@ -169,11 +169,46 @@ CASES = {"untied": ("untied", [1, 2], BF16), "tied": ("tied", [1, 2], FP8), "moe
 model runs the fp8 shadow (each stage quantizes its own layers; the stages pass bf16)."""
 
 
+def _vpp_step(model_dir):
+    """One TrainStep.run at PP = 2 x VPP = 2 (interleaved virtual stages: two model chunks per rank, Megatron's
+    interleaved schedule, the log-prob and bf16 shadow forwards over the chunk list) on the batch ``_one_step``
+    trains at PP = 1 x DP = 2; returns what ``_one_step`` does that this layout can give (metrics, the updated
+    weights under HF names, the log-probs) and each chunk's placement."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_grpo.loss import finalize
+    from megatron_grpo.models import model_chunks, unwrap
+    from megatron_grpo.models.qwen3 import load_hf_config, shape_from_hf
+    from megatron_grpo.models.weights import RankPlacement, export_hf_tensors
+    from megatron_grpo.observe.metrics_logger import to_host
+    from megatron_grpo.parallel import state
+    from megatron_grpo.parallel.stages import PipelineSplit
+    from tests.test_routing import _step_batch, _stepper
+
+    split = PipelineSplit(virtual_pipeline_model_parallel_size=2)
+    state.initialize_model_parallel(state.Layout(world_size=2, pp=2, split=split))
+    st = _stepper(model_dir, *BF16, "loss_fn.ratio_clip_min=0.001", "loss_fn.ratio_clip_max=0.001",
+                  "grpo.deployed_improvement=true", pipeline_split=split)
+    st.tp_group, st.dp_group = ps.get_tensor_model_parallel_group(), ps.get_data_parallel_group()
+    shape = shape_from_hf(load_hf_config(st.cfg.policy.model_name))
+    places = [RankPlacement.current(chunk) for chunk in model_chunks(st.model)]
+    stage = dict(chunks=[(p.layer_offset, p.num_local_layers, p.pre_process, p.post_process) for p in places],
+                 ddp=[type(c).__name__ for c in st.model], built=[unwrap(c).vp_stage for c in st.model])
+    old = -7.0 + 0.01 * torch.randn(ROWS, SEQ, generator=torch.Generator().manual_seed(3))
+    stats, extra = st.run(_step_batch(old, torch.linspace(-1.0, 1.0, ROWS, dtype=torch.float64)), 1)
+    metrics = finalize(*stats.reduce(st.dp_group))
+    metrics.update(extra)
+    weights = {k: v.clone() for k, v in export_hf_tensors(st.model, shape)}
+    return to_host(metrics), weights, st.last_log_probs[0], None, stage
+
+
 def _all_cases(models):
     from megatron_grpo.parallel.stages import PipelineSplit
 
-    return {name: {lay: _one_step(models[model], 1 if lay == 1 else 2, PipelineSplit(**UNEVEN.get(lay, {})), precision)
-                   for lay in layouts} for name, (model, layouts, precision) in CASES.items()}
+    cases = {name: {lay: _one_step(models[model], 1 if lay == 1 else 2, PipelineSplit(**UNEVEN.get(lay, {})), precision)
+                    for lay in layouts} for name, (model, layouts, precision) in CASES.items()}
+    cases["untied"]["vpp"] = _vpp_step(models["untied"])
+    return cases
 
 
 @pytest.fixture(scope="module")
@@ -261,6 +296,17 @@ def test_pp2_step_equals_pp1(two_ranks):
         assert any(c[0] == "send_object_list" for c in two_ranks[1][name][2][3][0][1])  # PP: headers, first push
         _assert_equal_to_pp1(two_ranks, name, 2)
         _check_stage_pushes(two_ranks, name, 2)
+
+
+def test_interleaved_virtual_stages_step_equals_pp1(two_ranks):
+    """PP = 2 x VPP = 2 (4 layers: rank 0 holds layers 0 and 2, rank 1 layers 1 and 3, one DDP per chunk, the
+    embedding on rank 0's first chunk, the head on rank 1's last) trains like PP = 1 x DP = 2: the same
+    log-probs, loss, precision / clip metrics, grad norm and updated weights."""
+    chunks = [r["untied"]["vpp"][4] for r in two_ranks]
+    assert [c["chunks"] for c in chunks] == [[(0, 1, True, False), (2, 1, False, False)],
+                                             [(1, 1, False, False), (3, 1, False, True)]]
+    assert all(c["ddp"] == ["DistributedDataParallel"] * 2 and c["built"] == [0, 1] for c in chunks)
+    _assert_equal_to_pp1(two_ranks, "untied", "vpp")
 
 
 def test_moe_routing_metrics_at_pp2_cover_every_stages_layers(two_ranks):

@@ -11,6 +11,7 @@ from megatron_grpo.models.qwen3 import (
     ModelShape,
     build_gpt_model,
     load_hf_config,
+    model_chunks,
     resolve_sequence_parallel,
     sequence_multiple,
     sequence_parallel_disabled,
@@ -36,7 +37,10 @@ def build_from_hf(model_dir: str, *, params_dtype: torch.dtype = torch.float32, 
     ``pipeline_split``: how the layers split over the pipeline stages (None: evenly); ``fp8_recipe``:
     ``policy.precision.fp8.recipe()``, the settings of the model's fp8 forwards (``models.forward.fp8_context``;
     the generator's / the shadow's FP8), None: the model cannot run one.
-    Returns ``(model, shape)``; the model holds the checkpoint's weights unless ``load_weights=False``.
+    Returns ``(model, shape)``; the model holds the checkpoint's weights unless ``load_weights=False``. With
+    interleaved virtual pipeline stages (``pipeline_split.virtual_pipeline_model_parallel_size`` > 1, parallel
+    state initialised with it) the model is the list of this rank's chunks, one per virtual stage
+    (``model_chunks``), each holding its own layers' weights.
     """
     from megatron.core import parallel_state as ps
 
@@ -51,11 +55,20 @@ def build_from_hf(model_dir: str, *, params_dtype: torch.dtype = torch.float32, 
         sequence_parallel=resolve_sequence_parallel(sequence_parallel, tp, shape), fp8_training=fp8_training,
         pipeline_split=pipeline_split,
     )
-    model = build_gpt_model(shape, config, backend=backend)
-    attach_recipe(model, fp8_recipe)
-    if load_weights:
-        load_hf_weights(model, model_dir, shape)
-    return model, shape
+    vpp = ps.get_virtual_pipeline_model_parallel_world_size() if config.virtual_pipeline_model_parallel_size else None
+    if config.virtual_pipeline_model_parallel_size != vpp:
+        raise ValueError(f"policy.megatron_cfg.virtual_pipeline_model_parallel_size="
+                         f"{config.virtual_pipeline_model_parallel_size}: parallel state was initialised with {vpp}")
+    if vpp and shape.is_moe:
+        raise ValueError(f"policy.megatron_cfg.virtual_pipeline_model_parallel_size={vpp} with a MoE model: the "
+                         f"routing control (models/routing.py) over several model chunks is not wired")
+    models = [build_gpt_model(shape, config, backend=backend, vp_stage=v) for v in range(vpp)] if vpp \
+        else [build_gpt_model(shape, config, backend=backend)]
+    for model in models:
+        attach_recipe(model, fp8_recipe)
+        if load_weights:
+            load_hf_weights(model, model_dir, shape)
+    return (models if vpp else models[0]), shape
 
 
 def forward_logits(model, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
@@ -109,6 +122,6 @@ def _stage_padding_mask(gpt, padding_mask: torch.Tensor, extra: int) -> torch.Te
     return padding_mask
 
 
-__all__ = ["ModelShape", "build_from_hf", "build_gpt_model", "forward_logits", "load_hf_config",
+__all__ = ["ModelShape", "build_from_hf", "build_gpt_model", "forward_logits", "load_hf_config", "model_chunks",
            "resolve_sequence_parallel", "sequence_multiple", "sequence_parallel_disabled", "shape_from_hf",
            "transformer_config", "unwrap"]

@@ -20,7 +20,7 @@ import torch
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from megatron_grpo.compat.megatron import stage_output_dtype
-from megatron_grpo.models import forward_logits, unwrap
+from megatron_grpo.models import forward_logits, model_chunks, unwrap
 from megatron_grpo.models.fp8 import FP8_DTYPE, OUTPUT_DTYPE, QuantizedWeight, fp8_forward, recipe_of
 from megatron_grpo.models.packing import MicroBatch, PlanSpec, build_plan
 from megatron_grpo.parallel import comm
@@ -46,8 +46,16 @@ class PackedBatch:
 
 
 def model_device(model) -> torch.device:
-    """Where the model's parameters live."""
-    return next(model.parameters()).device
+    """Where the model's parameters live (a model, or a list of model chunks)."""
+    return next(model_chunks(model)[0].parameters()).device
+
+
+def plan_iterators(plan: Sequence[MicroBatch], model):
+    """The data iterator Megatron's schedule takes for ``model``: one over ``plan``; for a list of model chunks
+    (interleaved virtual stages) one per chunk, each over the whole plan (every chunk's forward step reads its
+    micro-batch: the first chunk its ids, the last its labels, the others the shapes they pass on)."""
+    chunks = model_chunks(model)
+    return [iter(plan) for _ in chunks] if isinstance(model, (list, tuple)) else iter(plan)
 
 
 def pack(sequences: Sequence[Sequence[int]], prompt_lens: Sequence[int], pad_id: int = 0,
@@ -109,7 +117,7 @@ def pipeline_dtype(model, compute_dtype: torch.dtype, params_dtype: torch.dtype)
     ``config.pipeline_dtype``): the dtype of a stage's last residual add, which depends on
     Megatron-Core's version under autocast (``compat.megatron.stage_output_dtype``); fp8 as bf16 (its
     linears write bf16)."""
-    config = unwrap(model).config
+    config = unwrap(model_chunks(model)[0]).config  # one config object, shared by every chunk
     output = stage_output_dtype(around_dtype(compute_dtype), params_dtype)
     previous, config.pipeline_dtype = config.pipeline_dtype, output
     try:
@@ -155,9 +163,12 @@ def forward_log_probs(model, batch: PackedBatch, *, compute_dtype: torch.dtype, 
         return logits, collect
 
     rows, width = plan[0].input_ids.shape
-    with torch.no_grad(), pipeline_dtype(model, compute_dtype, params_dtype), fp8_context(model, compute_dtype):
+    with torch.no_grad(), pipeline_dtype(model, compute_dtype, params_dtype), contextlib.ExitStack() as fp8:
+        for chunk in model_chunks(model):
+            fp8.enter_context(fp8_context(chunk, compute_dtype))
         get_forward_backward_func()(
-            forward_step_func=forward_step, data_iterator=iter(plan), model=model, num_microbatches=len(plan),
+            forward_step_func=forward_step, data_iterator=plan_iterators(plan, model), model=model,
+            num_microbatches=len(plan),
             seq_length=width, micro_batch_size=rows, forward_only=True)
     return comm.tensor_from_last_stage(out if got else None, batch.labels.shape, torch.float32, device)
 

@@ -122,18 +122,22 @@ def _mla_options(shape: ModelShape) -> Dict[str, Any]:
                 v_head_dim=shape.v_head_dim, rotary_base=shape.rope_theta, **rope)
 
 
-def build_gpt_model(shape: ModelShape, config, *, backend: str = "auto"):
-    """Builds this rank's ``GPTModel`` stage; wraps it in ``Float16Module`` for half params."""
+def build_gpt_model(shape: ModelShape, config, *, backend: str = "auto", vp_stage: Optional[int] = None):
+    """Builds this rank's ``GPTModel`` stage (with interleaved virtual stages: its model chunk ``vp_stage``,
+    which holds the embedding / the output layer only as the first / last virtual stage of the first / last
+    pipeline stage); wraps it in ``Float16Module`` for half params."""
     from megatron.core import parallel_state as ps
     from megatron.core.transformer.module import Float16Module
 
     spec, chosen = model_spec(config, shape.num_experts, backend)
+    virtual = {} if vp_stage is None else {"vp_stage": vp_stage}
     model = gpt_model(
         config=config, transformer_layer_spec=spec, vocab_size=shape.vocab_size,
         max_sequence_length=shape.max_position_embeddings,
-        pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
+        pre_process=ps.is_pipeline_first_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage),
+        post_process=ps.is_pipeline_last_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage),
         share_embeddings_and_output_weights=shape.tie_word_embeddings, position_embedding_type="rope",
-        rotary_base=shape.rope_theta, rotary_percent=1.0,
+        rotary_base=shape.rope_theta, rotary_percent=1.0, **virtual,
     )
     model.megatron_grpo_backend = chosen
     for name, param in model.named_parameters():
@@ -179,5 +183,12 @@ def unwrap(model):
     return model
 
 
-__all__ = ["SUPPORTED_MODEL_TYPES", "ModelShape", "build_gpt_model", "load_hf_config", "resolve_sequence_parallel",
+def model_chunks(model) -> list:
+    """This rank's model chunks: the list itself with interleaved virtual pipeline stages (one chunk per
+    virtual stage, in order), else ``[model]``."""
+    return list(model) if isinstance(model, (list, tuple)) else [model]
+
+
+__all__ = ["SUPPORTED_MODEL_TYPES", "ModelShape", "build_gpt_model", "load_hf_config", "model_chunks",
+           "resolve_sequence_parallel",
            "sequence_multiple", "sequence_parallel_disabled", "shape_from_hf", "transformer_config", "unwrap"]

@@ -131,7 +131,8 @@ class RankPlacement:
 
     @classmethod
     def current(cls, model) -> "RankPlacement":
-        """The placement of the calling rank for ``model`` (reads Megatron's parallel state)."""
+        """The placement of the calling rank for ``model``, one model chunk with interleaved virtual stages
+        (reads Megatron's parallel state; a chunk's layer offset is its virtual stage's)."""
         from megatron.core import parallel_state as ps
         from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
@@ -140,7 +141,8 @@ class RankPlacement:
             tp_rank=ps.get_tensor_model_parallel_rank(), tp=ps.get_tensor_model_parallel_world_size(),
             etp_rank=ps.get_expert_tensor_parallel_rank(), etp=ps.get_expert_tensor_parallel_world_size(),
             ep_rank=ps.get_expert_model_parallel_rank(), ep=ps.get_expert_model_parallel_world_size(),
-            layer_offset=get_transformer_layer_offset(gpt.config), num_local_layers=len(gpt.decoder.layers),
+            layer_offset=get_transformer_layer_offset(gpt.config, vp_stage=getattr(gpt, "vp_stage", None)),
+            num_local_layers=len(gpt.decoder.layers),
             pre_process=gpt.pre_process, post_process=gpt.post_process,
             backend=getattr(gpt, "megatron_grpo_backend", "local"),
         )

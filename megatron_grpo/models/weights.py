@@ -10,7 +10,7 @@ from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
-from megatron_grpo.models.qwen3 import ModelShape, unwrap
+from megatron_grpo.models.qwen3 import ModelShape, model_chunks, unwrap
 from megatron_grpo.models.weight_maps import ParamMap, RankPlacement, model_tensors, param_maps
 from megatron_grpo.parallel import comm
 
@@ -174,9 +174,10 @@ def export_hf_tensors(model, shape: ModelShape, *, include_tied_lm_head: bool = 
     worth of full tensors exists beyond the model itself. ``source(name, param)`` picks
     another per-parameter tensor of the same shape (an optimizer moment, a master weight).
     With pipeline parallelism the stages take turns, in order; each tensor is broadcast from
-    its stage to the others.
+    its stage to the others. A list of model chunks (interleaved virtual stages) exports chunk by chunk.
     """
-    stage_tensors = _export_stage(model, shape, include_tied_lm_head, source)
+    stage_tensors = (item for chunk in model_chunks(model)
+                     for item in _export_stage(chunk, shape, include_tied_lm_head, source))
     pp_group = comm.pipeline_group()
     if comm.group_size(pp_group) == 1:
         yield from stage_tensors
@@ -198,7 +199,7 @@ def export_hf_tensors(model, shape: ModelShape, *, include_tied_lm_head: bool = 
 
 
 def _device(model) -> torch.device:
-    return next(unwrap(model).parameters()).device
+    return next(unwrap(model_chunks(model)[0]).parameters()).device
 
 
 def _export_stage(model, shape: ModelShape, include_tied_lm_head: bool, source) -> Iterator[Tuple[str, torch.Tensor]]:

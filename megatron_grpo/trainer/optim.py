@@ -27,7 +27,7 @@ from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from megatron_grpo.config.schema import Config, to_dtype
-from megatron_grpo.models import unwrap
+from megatron_grpo.models import model_chunks, unwrap
 from megatron_grpo.models.forward import model_device
 from megatron_grpo.parallel.cpu import fuse_torch_adam, fuse_wgrad_accumulation
 from megatron_grpo.parallel.state import has_gloo_groups
@@ -47,10 +47,16 @@ def ddp_config(cfg: Config):
 
 def wrap_model(model, cfg: Config):
     """This rank's model (a ``GPTModel``, possibly in ``Float16Module``) inside Megatron's DDP; on CPU with
-    Megatron's weight-gradient accumulation fusion (``parallel.cpu.fuse_wgrad_accumulation``)."""
-    ddp = DistributedDataParallel(config=unwrap(model).config, ddp_config=ddp_config(cfg), module=model)
-    fuse_wgrad_accumulation(ddp)
-    return ddp
+    Megatron's weight-gradient accumulation fusion (``parallel.cpu.fuse_wgrad_accumulation``). A list of
+    model chunks (interleaved virtual stages) gives the list of their DDPs, the chunks after the first in
+    one bucket each (Megatron-LM's ``get_model``: their gradients are ready at different times)."""
+    wrapped = []
+    for index, chunk in enumerate(model_chunks(model)):
+        ddp = DistributedDataParallel(config=unwrap(chunk).config, ddp_config=ddp_config(cfg), module=chunk,
+                                      disable_bucketing=index > 0)
+        fuse_wgrad_accumulation(ddp)
+        wrapped.append(ddp)
+    return wrapped if isinstance(model, (list, tuple)) else wrapped[0]
 
 
 def optimizer_config(cfg: Config):
@@ -82,13 +88,17 @@ def finalize_grads(model_chunks, num_tokens=None, **kwargs) -> None:
 
 
 def configure_schedule(model, optimizer: "Optimizer", cfg: Config) -> None:
-    """Sets the hooks Megatron's schedules read from the model config."""
-    config, d = unwrap(model).config, cfg.policy.megatron_cfg.distributed_data_parallel_config
+    """Sets the hooks Megatron's schedules read from the model config (one config object, shared by every
+    chunk; the interleaved schedule takes a list of per-chunk hooks, as Megatron-LM's ``train`` sets them)."""
+    chunks, d = model_chunks(model), cfg.policy.megatron_cfg.distributed_data_parallel_config
+    config = unwrap(chunks[0]).config
+    hooks = (lambda name: [getattr(c, name) for c in chunks]) if len(chunks) > 1 else \
+        (lambda name: getattr(chunks[0], name))
     config.finalize_model_grads_func = finalize_grads
     config.grad_scale_func = optimizer.megatron.scale_loss if optimizer.has_loss_scaler else None
-    config.no_sync_func = model.no_sync
-    config.grad_sync_func = model.start_grad_sync if d.overlap_grad_reduce else None
-    config.param_sync_func = model.start_param_sync if d.overlap_param_gather else None
+    config.no_sync_func = hooks("no_sync")
+    config.grad_sync_func = hooks("start_grad_sync") if d.overlap_grad_reduce else None
+    config.param_sync_func = hooks("start_param_sync") if d.overlap_param_gather else None
 
 
 class Optimizer:
@@ -98,9 +108,9 @@ class Optimizer:
     non-finite skip (``train/skipped_nonfinite``, limited by ``grpo.max_consecutive_skips``)."""
 
     def __init__(self, model, cfg: Config):
-        self.model, self.cfg = model, cfg
+        self.model, self.cfg, self.chunks = model, cfg, model_chunks(model)
         # gloo groups exist on CPU only (parallel/state.py); Megatron's default assumes them
-        self.megatron = get_megatron_optimizer(optimizer_config(cfg), [model],
+        self.megatron = get_megatron_optimizer(optimizer_config(cfg), self.chunks,
                                                use_gloo_process_groups=has_gloo_groups())
         fuse_torch_adam(self.chained)  # CPU: torch's fused AdamW kernel instead of its per-tensor loop
         o, s = cfg.policy.megatron_cfg.optimizer, cfg.policy.megatron_cfg.scheduler
@@ -121,20 +131,21 @@ class Optimizer:
     @property
     def params(self) -> List[torch.nn.Parameter]:
         """The model's trainable parameters (their reduced gradients are in ``main_grad``)."""
-        return [p for p in self.model.parameters() if p.requires_grad]
+        return [p for chunk in self.chunks for p in chunk.parameters() if p.requires_grad]
 
     def loss_scale(self) -> float:
         return float(self.megatron.get_loss_scale())
 
     def zero_grad(self) -> None:
         """Zeroes DDP's gradient buffers and the optimizer's main gradients."""
-        self.model.zero_grad_buffer()
+        for chunk in self.chunks:
+            chunk.zero_grad_buffer()
         self.megatron.zero_grad()
 
     def step(self) -> Dict[str, torch.Tensor]:
         """Unscale + found-inf (fp16) -> global grad norm -> skip if non-finite, else clip and update
         (then the LR scheduler). Returns ``train/grad_norm``, ``train/lr`` and the skip flags."""
-        device = model_device(self.model)
+        device = model_device(self.chunks[0])
         scale_before = self.loss_scale()
         found_inf = self.megatron.prepare_grads()  # fp16: unscales, checks, updates the scaler
         norm = float("nan") if found_inf else float(self.megatron.get_grad_norm())
@@ -168,12 +179,13 @@ class Optimizer:
         """With ``overlap_param_gather`` the distributed optimizer leaves the all-gather of updated
         params to the next forward; the trainer reads them at once (shadow forward, weight push)."""
         if self.cfg.policy.megatron_cfg.distributed_data_parallel_config.overlap_param_gather:
-            self.model.start_param_sync(force_sync=True)
+            for chunk in self.chunks:
+                chunk.start_param_sync(force_sync=True)
 
     def state_bytes(self) -> int:
         """Bytes of optimizer state on this rank: main params (when separate from the model's) and moments."""
         seen, total = set(), 0
-        model_storage = {p.untyped_storage().data_ptr() for p in self.model.parameters()}
+        model_storage = {p.untyped_storage().data_ptr() for chunk in self.chunks for p in chunk.parameters()}
         for opt in self.chained:
             for state in opt.optimizer.state.values():
                 for value in state.values():

@@ -26,7 +26,7 @@ from megatron_grpo.loss import StatSet, clips, policy_loss_stats, ratios
 from megatron_grpo.loss.metrics import SHADOW_STATS, routing_stats
 from megatron_grpo.loss.policy import weight_center
 from megatron_grpo.loss.stats import masked_sum
-from megatron_grpo.models import forward_logits, sequence_multiple, unwrap
+from megatron_grpo.models import forward_logits, model_chunks, sequence_multiple, unwrap
 from megatron_grpo.models.forward import (
     PackedBatch,
     forward_log_probs,
@@ -34,6 +34,7 @@ from megatron_grpo.models.forward import (
     model_device,
     pack,
     pipeline_dtype,
+    plan_iterators,
     precision_context,
 )
 from megatron_grpo.models.packing import (
@@ -175,7 +176,8 @@ class TrainStep:
         if spec.max_tokens is None and not spec.packing:
             return build_plan(packed.input_ids, packed.labels, packed.mask, spec)
         groups = plan_groups(packed.mask, spec)
-        expert_parallel = self.routing is not None and unwrap(self.model).config.expert_model_parallel_size > 1
+        config = unwrap(model_chunks(self.model)[0]).config
+        expert_parallel = self.routing is not None and config.expert_model_parallel_size > 1
         if not (equalise or expert_parallel) or comm.group_size(self.dp_group) == 1:
             return build_plan(packed.input_ids, packed.labels, packed.mask, spec, groups)
         device = comm.collective_device(packed.mask.device, self.dp_group)
@@ -394,7 +396,7 @@ class TrainStep:
         mb_rows, mb_width = plan[0].input_ids.shape
         with self._routes(shadow=False, targets=replay, plan=plan), pipeline_dtype(self.model, self.compute_dtype, self.params_dtype):
             get_forward_backward_func()(
-                forward_step_func=forward_step, data_iterator=iter(plan), model=self.model,
+                forward_step_func=forward_step, data_iterator=plan_iterators(plan, self.model), model=self.model,
                 num_microbatches=len(plan), seq_length=mb_width, micro_batch_size=mb_rows, forward_only=False)
             if record_routes and self.routing is not None:
                 self.train_routes = (self.routing.take(seq_len, "used"), self.routing.take(seq_len, "natural"))
@@ -410,7 +412,7 @@ class TrainStep:
         of the tokens under SP; on 0.19 times the TP x CP size: ``compat.megatron``) and leaves the
         division by the global count to ``finalize_model_grads``; our losses are already global
         means, so the coefficients carry that division instead."""
-        config = unwrap(self.model).config
+        config = unwrap(model_chunks(self.model)[0]).config
         m = self.cfg.policy.megatron_cfg
         mask_padding = not m.moe_aux_loss_coeff
         if not getattr(config, "num_moe_experts", None) or not (m.moe_aux_loss_coeff or m.moe_z_loss_coeff):
@@ -459,7 +461,7 @@ def plan_spec(model, cfg: Config) -> PlanSpec:
     """``policy.sequence_packing`` / ``policy.dynamic_batching`` / ``train_micro_batch_size`` as a
     ``PlanSpec`` for ``model`` (row widths a multiple of 8 and of TP under SP; one row length
     under PP; THD ``PackedSeqParams`` where the Transformer Engine spec is active)."""
-    p, config = cfg.policy, unwrap(model).config
+    p, config = cfg.policy, unwrap(model_chunks(model)[0]).config
     packing, dynamic = p.sequence_packing.enabled, p.dynamic_batching.enabled  # exclusive (config/schema.py)
     budget = (p.sequence_packing.train_mb_tokens or None) if packing else \
         (p.dynamic_batching.max_tokens_per_microbatch if dynamic else None)
@@ -471,14 +473,14 @@ def plan_spec(model, cfg: Config) -> PlanSpec:
 def uses_te_attention(model) -> bool:
     """Whether the model's core attention is Transformer Engine's (THD packing) rather than the
     local ``DotProductAttention`` (block-diagonal mask)."""
-    layers = unwrap(model).decoder.layers
+    layers = unwrap(model_chunks(model)[0]).decoder.layers
     return len(layers) > 0 and not isinstance(layers[0].self_attention.core_attention, DotProductAttention)
 
 
 def make_routing(model, cfg: Config):
     """The MoE ``Routing`` control of ``model`` (None for a dense model)."""
     m, p = cfg.policy.megatron_cfg, cfg.policy.precision
-    if not getattr(unwrap(model).config, "num_moe_experts", None):
+    if not getattr(unwrap(model_chunks(model)[0]).config, "num_moe_experts", None):
         if m.moe_routing_replay != "none":
             raise ValueError(f"policy.megatron_cfg.moe_routing_replay={m.moe_routing_replay} needs a MoE model; "
                              f"policy.model_name is dense")
