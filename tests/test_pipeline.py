@@ -169,6 +169,9 @@ CASES = {"untied": ("untied", [1, 2], BF16), "tied": ("tied", [1, 2], FP8), "moe
 model runs the fp8 shadow (each stage quantizes its own layers; the stages pass bf16)."""
 
 
+VPP_RECIPE = (*BF16, "loss_fn.ratio_clip_min=0.001", "loss_fn.ratio_clip_max=0.001", "grpo.deployed_improvement=true")
+
+
 def _vpp_step(model_dir):
     """One TrainStep.run at PP = 2 x VPP = 2 (interleaved virtual stages: two model chunks per rank, Megatron's
     interleaved schedule, the log-prob and bf16 shadow forwards over the chunk list) on the batch ``_one_step``
@@ -187,8 +190,7 @@ def _vpp_step(model_dir):
 
     split = PipelineSplit(virtual_pipeline_model_parallel_size=2)
     state.initialize_model_parallel(state.Layout(world_size=2, pp=2, split=split))
-    st = _stepper(model_dir, *BF16, "loss_fn.ratio_clip_min=0.001", "loss_fn.ratio_clip_max=0.001",
-                  "grpo.deployed_improvement=true", pipeline_split=split)
+    st = _stepper(model_dir, *VPP_RECIPE, pipeline_split=split)
     st.tp_group, st.dp_group = ps.get_tensor_model_parallel_group(), ps.get_data_parallel_group()
     shape = shape_from_hf(load_hf_config(st.cfg.policy.model_name))
     places = [RankPlacement.current(chunk) for chunk in model_chunks(st.model)]
@@ -199,7 +201,37 @@ def _vpp_step(model_dir):
     metrics = finalize(*stats.reduce(st.dp_group))
     metrics.update(extra)
     weights = {k: v.clone() for k, v in export_hf_tensors(st.model, shape)}
+    stage["checkpoint"] = _vpp_checkpoint(st, model_dir, shape)
     return to_host(metrics), weights, st.last_log_probs[0], None, stage
+
+
+def _vpp_checkpoint(st, model_dir, shape):
+    """The PP = 2 x VPP = 2 stepper's state saved (one sharded state dict per chunk, Adam's moments), then
+    step 2; a fresh PP = 1 x DP = 2 model and optimizer load it: its weights under HF names, and its step 2
+    on its rows (``tests.test_checkpoint._train_step``), next to the straight run's."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from megatron_grpo.checkpoint import resume, sharded_state
+    from megatron_grpo.models.weights import export_hf_tensors
+    from megatron_grpo.parallel import state
+    from tests.test_checkpoint import _train_step
+    from tests.test_routing import _stepper
+
+    path = os.path.join(os.environ["DIST_TEST_DIR"], "vpp-checkpoint")
+    if dist.get_rank() == 0:
+        os.makedirs(path)
+    dist.barrier()
+    main = sharded_state.has_separate_main_params(st.optimizer.megatron)
+    resume.save_sharded(st.model, st.optimizer, path, with_state=True)
+    straight = _train_step(st, slice(None), 2)
+    state.initialize_model_parallel(state.Layout(world_size=2))
+    again = _stepper(model_dir, *VPP_RECIPE)
+    again.tp_group, again.dp_group = ps.get_tensor_model_parallel_group(), ps.get_data_parallel_group()
+    resume.load_sharded(again.model, again.optimizer, path, step=1, with_state=True, main_params=main)
+    loaded = {k: v.clone() for k, v in export_hf_tensors(again.model, shape)}
+    rank = ps.get_data_parallel_rank()
+    return dict(loaded=loaded, straight=straight, resumed=_train_step(again, slice(4 * rank, 4 * rank + 4), 2))
 
 
 def _all_cases(models):
@@ -307,6 +339,17 @@ def test_interleaved_virtual_stages_step_equals_pp1(two_ranks):
                                              [(1, 1, False, False), (3, 1, False, True)]]
     assert all(c["ddp"] == ["DistributedDataParallel"] * 2 and c["built"] == [0, 1] for c in chunks)
     _assert_equal_to_pp1(two_ranks, "untied", "vpp")
+
+
+def test_interleaved_virtual_stages_checkpoint_loads_at_pp1(two_ranks):
+    """A PP = 2 x VPP = 2 checkpoint (per-chunk sharded state dicts, global layer keys) loads at PP = 1 x DP = 2:
+    the weights bitwise those the chunks held, and step 2 from there (Adam's moments loaded) equals the
+    uninterrupted VPP run's step 2 (to reduction order)."""
+    for results in two_ranks:
+        _, weights, _, _, stage = results["untied"]["vpp"]
+        ckpt = stage["checkpoint"]
+        assert _same(ckpt["loaded"], weights)
+        _assert_same_step(ckpt["resumed"], ckpt["straight"], exact=False)
 
 
 def test_moe_routing_metrics_at_pp2_cover_every_stages_layers(two_ranks):

@@ -50,7 +50,6 @@ from megatron_grpo.checkpoint import folders as ckpt
 from megatron_grpo.checkpoint import sharded_state
 from megatron_grpo.checkpoint.export import export_hf
 from megatron_grpo.compat.megatron import async_save_kwargs, keep_checkpoint_writer_errors, set_write_results_queue
-from megatron_grpo.models import unwrap
 from megatron_grpo.parallel import comm
 from megatron_grpo.rollout.parity import ProbeBatch
 
@@ -199,7 +198,7 @@ def load_sharded(model, optimizer, path: str, step: int, with_state: bool, main_
     if fully_parallel and comm.group_size(group) > 1:  # 0.16.1 and 0.19 alike (0.19: the path is optional)
         strategy = FullyParallelLoadStrategyWrapper(get_default_load_sharded_strategy(path), group)
     loaded = dist_checkpointing.load({"model": model_sd, "optimizer": optim_sd}, path, sharded_strategy=strategy)
-    unwrap(model).load_state_dict(loaded["model"], strict=True)
+    sharded_state.load_model_state(model, loaded["model"])
     with torch.no_grad():
         for key, pieces in optim_sd.items():
             for piece, tensor in zip(pieces, loaded["optimizer"][key]):

@@ -45,7 +45,7 @@ from torch.distributed.checkpoint import FileSystemReader
 
 from megatron_grpo.checkpoint.folders import NORM_KEY_ALIASES
 from megatron_grpo.compat.megatron import distributed_optimizer_ranges
-from megatron_grpo.models import unwrap
+from megatron_grpo.models import model_chunks, unwrap
 from megatron_grpo.parallel.stages import PipelineSplit
 
 STATE_PREFIX = "optimizer.state"
@@ -85,8 +85,23 @@ class Block:
 
 
 def model_sharded_state_dict(model) -> dict:
-    """The ``GPTModel``'s sharded state dict (inside Megatron's DDP / ``Float16Module``)."""
-    return unwrap(model).sharded_state_dict()
+    """The ``GPTModel``'s sharded state dict (inside Megatron's DDP / ``Float16Module``); with interleaved
+    virtual stages ``{"model0": chunk 0's, "model1": ...}`` as Megatron-LM saves them. The tensors' keys are
+    global (a chunk's layers under their global index), so the files are the same at any VPP and reshard."""
+    chunks = model_chunks(model)
+    if len(chunks) == 1:
+        return unwrap(chunks[0]).sharded_state_dict()
+    return {f"model{i}": unwrap(chunk).sharded_state_dict() for i, chunk in enumerate(chunks)}
+
+
+def load_model_state(model, loaded: dict) -> None:
+    """Copies a loaded ``model_sharded_state_dict`` into the model (every chunk), strictly."""
+    chunks = model_chunks(model)
+    if len(chunks) == 1:
+        unwrap(chunks[0]).load_state_dict(loaded, strict=True)
+        return
+    for i, chunk in enumerate(chunks):
+        unwrap(chunk).load_state_dict(loaded[f"model{i}"], strict=True)
 
 
 def checkpoint_keys(path: str) -> set:
@@ -107,15 +122,16 @@ def match_checkpoint_keys(model_sd: dict, saved: set) -> None:
 def layout_record(model) -> dict:
     """The parallel layout this rank's model is built at and the shape of the model it holds: what a
     checkpoint records (``trainer_state.pt``'s ``layout``) so that a load that cannot be served names both."""
-    gpt = unwrap(model)
+    gpt = unwrap(model_chunks(model)[0])
     c = gpt.config
     split = PipelineSplit(c.num_layers_in_first_pipeline_stage, c.num_layers_in_last_pipeline_stage,
-                          c.account_for_embedding_in_pipeline_split, c.account_for_loss_in_pipeline_split)
+                          c.account_for_embedding_in_pipeline_split, c.account_for_loss_in_pipeline_split,
+                          c.virtual_pipeline_model_parallel_size)
     dp = ps.get_data_parallel_world_size()
     return {"world_size": c.tensor_model_parallel_size * c.pipeline_model_parallel_size * c.context_parallel_size * dp,
             "tp": c.tensor_model_parallel_size, "pp": c.pipeline_model_parallel_size, "cp": c.context_parallel_size,
             "ep": c.expert_model_parallel_size, "etp": c.expert_tensor_parallel_size, "dp": dp,
-            "layers_per_stage": split.layers_per_stage(c.num_layers, c.pipeline_model_parallel_size),
+            "layers_per_stage": split.layers_per_stage(c.num_layers, c.pipeline_model_parallel_size), "vpp": split.vpp,
             "num_layers": c.num_layers, "hidden_size": c.hidden_size, "num_experts": c.num_moe_experts or 0,
             "vocab_size": gpt.vocab_size}
 
@@ -125,7 +141,8 @@ def format_layout(layout: Optional[dict]) -> str:
     if not layout:
         return "an unrecorded layout (written before checkpoints recorded theirs)"
     stages = "+".join(map(str, layout["layers_per_stage"]))
-    return (f"TP={layout['tp']} PP={layout['pp']} (layers {stages}) CP={layout['cp']} EP={layout['ep']} "
+    virtual = f" VPP={layout['vpp']}" if layout.get("vpp", 1) > 1 else ""
+    return (f"TP={layout['tp']} PP={layout['pp']}{virtual} (layers {stages}) CP={layout['cp']} EP={layout['ep']} "
             f"ETP={layout['etp']} DP={layout['dp']} on {layout['world_size']} ranks, a model of {layout['num_layers']} "
             f"layers, hidden {layout['hidden_size']}, {layout['num_experts']} experts, vocab {layout['vocab_size']}")
 
