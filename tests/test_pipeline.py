@@ -196,13 +196,15 @@ def _vpp_step(model_dir):
     places = [RankPlacement.current(chunk) for chunk in model_chunks(st.model)]
     stage = dict(chunks=[(p.layer_offset, p.num_local_layers, p.pre_process, p.post_process) for p in places],
                  ddp=[type(c).__name__ for c in st.model], built=[unwrap(c).vp_stage for c in st.model])
+    stage["generator"], delta = _stage_pushes(st.model, shape, None, False)
     old = -7.0 + 0.01 * torch.randn(ROWS, SEQ, generator=torch.Generator().manual_seed(3))
     stats, extra = st.run(_step_batch(old, torch.linspace(-1.0, 1.0, ROWS, dtype=torch.float64)), 1)
-    metrics = finalize(*stats.reduce(st.dp_group))
+    metrics, lp = finalize(*stats.reduce(st.dp_group)), st.last_log_probs[0].clone()
     metrics.update(extra)
     weights = {k: v.clone() for k, v in export_hf_tensors(st.model, shape)}
+    stage["generator"]["after"] = _delta_push_after_step(st.model, shape, *delta)
     stage["checkpoint"] = _vpp_checkpoint(st, model_dir, shape)
-    return to_host(metrics), weights, st.last_log_probs[0], None, stage
+    return to_host(metrics), weights, lp, None, stage
 
 
 def _vpp_checkpoint(st, model_dir, shape):
@@ -333,12 +335,23 @@ def test_pp2_step_equals_pp1(two_ranks):
 def test_interleaved_virtual_stages_step_equals_pp1(two_ranks):
     """PP = 2 x VPP = 2 (4 layers: rank 0 holds layers 0 and 2, rank 1 layers 1 and 3, one DDP per chunk, the
     embedding on rank 0's first chunk, the head on rank 1's last) trains like PP = 1 x DP = 2: the same
-    log-probs, loss, precision / clip metrics, grad norm and updated weights."""
+    log-probs, loss, precision / clip metrics, grad norm and updated weights. The push from every stage sends
+    each chunk's layers under their global names (the generator holds PP = 1's tensors bit for bit; nothing
+    crosses between trainer ranks), and after the step a delta push (chunk-keyed shards) equals a full one."""
     chunks = [r["untied"]["vpp"][4] for r in two_ranks]
     assert [c["chunks"] for c in chunks] == [[(0, 1, True, False), (2, 1, False, False)],
                                              [(1, 1, False, False), (3, 1, False, True)]]
     assert all(c["ddp"] == ["DistributedDataParallel"] * 2 and c["built"] == [0, 1] for c in chunks)
     _assert_equal_to_pp1(two_ranks, "untied", "vpp")
+    ref, pushes = two_ranks[0]["untied"][1][4]["generator"], two_ranks[0]["untied"]["vpp"][4]["generator"]
+    assert _same(pushes["bf16"]["weights"], ref["bf16"]["weights"])  # the push from every stage, chunk by chunk
+    for rank, results in enumerate(two_ranks):
+        mine = results["untied"]["vpp"][4]["generator"]["bf16"]
+        layers = {int(n.split(".")[2]) for n in mine["names"] if n.startswith("model.layers.")}
+        assert layers >= ({1, 3} if rank else {0, 2}) and (rank == 0 or layers == {1, 3}) and mine["sent"] == 0
+    after = [r["untied"]["vpp"][4]["generator"]["after"] for r in two_ranks]
+    assert not after[0]["full"] and after[0]["delta"] and _same(after[0]["delta"], after[0]["funnel"])
+    assert after[0]["sent_delta"] == after[1]["sent_delta"] == 0
 
 
 def test_interleaved_virtual_stages_checkpoint_loads_at_pp1(two_ranks):

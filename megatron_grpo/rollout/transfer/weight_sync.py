@@ -26,7 +26,7 @@ from megatron.core import parallel_state as ps
 
 from megatron_grpo.models.fp8 import FP8_DTYPE, OUTPUT_DTYPE, Fp8Recipe, quantize_weight
 from megatron_grpo.models.fp8_hf import block_shape, fp8_param_names, scale_name
-from megatron_grpo.models.qwen3 import unwrap
+from megatron_grpo.models.qwen3 import model_chunks, unwrap
 from megatron_grpo.models.weight_maps import model_tensors
 from megatron_grpo.models.weights import RankPlacement, _device, _export_order, _rename_expert, unshard
 from megatron_grpo.parallel import comm
@@ -149,30 +149,34 @@ def _stage_items(model, shape, dtype: torch.dtype, delta: Optional[D.DeltaState]
     """``stage_hf_tensors`` as (name, tensor, change mask or None, values exact): with ``delta`` on a delta
     push, each rank's changed shard elements travel as ``_gather_changes`` says (never more bytes than
     the dense gather), and a tensor's values may be exact only where its mask is set. A rank casts, keeps
-    and compares only the shards it sends (replicated ones: the leader alone)."""
+    and compares only the shards it sends (replicated ones: the leader alone). Interleaved virtual stages:
+    the stage's model chunks one after the other, each at its own layer offset."""
     me, leader = _my_rank(), stage_leader(ps.get_pipeline_model_parallel_rank())
     tp = ps.get_tensor_model_parallel_group()
     dense = leader in comm.group_ranks(tp)
     experts = shape.is_moe and leader in comm.group_ranks(ps.get_expert_tensor_and_model_parallel_group())
     if not (dense or experts):
         return
-    gpt = unwrap(model)
-    place, params = RankPlacement.current(model), model_tensors(model)
-    quantized = fp8_param_names(gpt, fp8) if fp8 is not None else set()
-    for pm in _export_order(shape, place):
-        if pm.mcore_name.endswith(NOT_PUSHED):
-            continue
-        if (pm.expert and not experts) or (not pm.expert and not dense) or (pm.kind == "rep" and me != leader):
-            continue
-        pieces = _pieces(pm, params[pm.mcore_name].detach(), dtype, fp8 if pm.mcore_name in quantized else None, shape)
-        for piece, local, owned, piece_shape, view in pieces:
-            mask = None if delta is None else delta.changed(piece.mcore_name, local, owned=owned)
-            if piece.expert:
-                items = _gather_expert(piece, local, mask, piece_shape, place, me, leader, delta)
-            else:
-                items = _gather_dense(piece, local, mask, piece_shape, me, leader, tp, delta)
-            for name, tensor, m, exact in items:
-                yield name, tensor if view is None else tensor.view(view), m, exact
+    for index, chunk in enumerate(model_chunks(model)):
+        gpt = unwrap(chunk)
+        place, params = RankPlacement.current(chunk), model_tensors(chunk)
+        quantized = fp8_param_names(gpt, fp8) if fp8 is not None else set()
+        for pm in _export_order(shape, place):
+            if pm.mcore_name.endswith(NOT_PUSHED):
+                continue
+            if (pm.expert and not experts) or (not pm.expert and not dense) or (pm.kind == "rep" and me != leader):
+                continue
+            param = params[pm.mcore_name].detach()
+            for piece, local, owned, piece_shape, view in _pieces(pm, param, dtype, fp8 if pm.mcore_name in quantized
+                                                                  else None, shape):
+                key = f"{index}:{piece.mcore_name}" if index else piece.mcore_name  # chunks repeat local names
+                mask = None if delta is None else delta.changed(key, local, owned=owned)
+                if piece.expert:
+                    items = _gather_expert(piece, local, mask, piece_shape, place, me, leader, delta)
+                else:
+                    items = _gather_dense(piece, local, mask, piece_shape, me, leader, tp, delta)
+                for name, tensor, m, exact in items:
+                    yield name, tensor if view is None else tensor.view(view), m, exact
 
 
 def _pieces(pm, param: torch.Tensor, dtype: torch.dtype, fp8: Optional[Fp8Recipe], shape):
@@ -281,7 +285,7 @@ def hf_tensors_on_rank0(model, shape, dtype: torch.dtype, fp8: Optional[Fp8Recip
     point-to-point, in stage order. Headers cross on the first push only."""
     tensors = stage_hf_tensors(model, shape, dtype, fp8)
     num_stages, me = ps.get_pipeline_model_parallel_world_size(), _my_rank()
-    cache = _HEADERS.setdefault(unwrap(model), {})
+    cache = _HEADERS.setdefault(unwrap(model_chunks(model)[0]), {})
     if me == 0:
         yield from tensors
         for stage in range(1, num_stages):
