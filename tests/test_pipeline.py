@@ -5,6 +5,7 @@ uneven stages (a 5-layer model split 2 + 3 and 3 + 2: Megatron's uneven-PP field
 places them, their HF weights loaded, exported and pushed at the uneven layer offsets). One 2-rank launch
 serves every check of these; ``--dry-run`` counts each stage's layers of the 94-layer Qwen3-235B at PP = 4 and 8."""
 
+import dataclasses
 import importlib.util
 import os
 import sys
@@ -181,6 +182,7 @@ def _vpp_step(model_dir):
 
     from megatron_grpo.loss import finalize
     from megatron_grpo.models import model_chunks, unwrap
+    from megatron_grpo.models.forward import forward_log_probs
     from megatron_grpo.models.qwen3 import load_hf_config, shape_from_hf
     from megatron_grpo.models.weights import RankPlacement, export_hf_tensors
     from megatron_grpo.observe.metrics_logger import to_host
@@ -197,6 +199,9 @@ def _vpp_step(model_dir):
     stage = dict(chunks=[(p.layer_offset, p.num_local_layers, p.pre_process, p.post_process) for p in places],
                  ddp=[type(c).__name__ for c in st.model], built=[unwrap(c).vp_stage for c in st.model])
     stage["generator"], delta = _stage_pushes(st.model, shape, None, False)
+    packed = _step_batch(torch.zeros(ROWS, SEQ), torch.zeros(ROWS, dtype=torch.float64)).packed.rows(slice(0, 3))
+    stage["odd"] = forward_log_probs(st.model, packed, compute_dtype=torch.float32, params_dtype=torch.float32,
+                                     micro_batch_size=1)  # 3 micro-batches: the last repeated to 4
     old = -7.0 + 0.01 * torch.randn(ROWS, SEQ, generator=torch.Generator().manual_seed(3))
     stats, extra = st.run(_step_batch(old, torch.linspace(-1.0, 1.0, ROWS, dtype=torch.float64)), 1)
     metrics, lp = finalize(*stats.reduce(st.dp_group)), st.last_log_probs[0].clone()
@@ -343,6 +348,9 @@ def test_interleaved_virtual_stages_step_equals_pp1(two_ranks):
                                              [(1, 1, False, False), (3, 1, False, True)]]
     assert all(c["ddp"] == ["DistributedDataParallel"] * 2 and c["built"] == [0, 1] for c in chunks)
     _assert_equal_to_pp1(two_ranks, "untied", "vpp")
+    for results in two_ranks:  # a forward-only pass of 3 micro-batches (not a multiple of PP): PP = 1's log-probs
+        odd, ref_lp = results["untied"]["vpp"][4]["odd"], results["untied"][1][2][:3]
+        torch.testing.assert_close(odd, ref_lp, atol=1e-5, rtol=0)
     ref, pushes = two_ranks[0]["untied"][1][4]["generator"], two_ranks[0]["untied"]["vpp"][4]["generator"]
     assert _same(pushes["bf16"]["weights"], ref["bf16"]["weights"])  # the push from every stage, chunk by chunk
     for rank, results in enumerate(two_ranks):
@@ -478,6 +486,7 @@ def test_virtual_stages_place_model_chunks_as_megatron_does():
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
     from megatron_grpo.config.schema import MegatronConfig
+    from megatron_grpo.models.packing import PlanSpec, plan_groups
     from megatron_grpo.parallel.stages import PipelineSplit
 
     def config(num_layers, pp, split):
@@ -505,6 +514,13 @@ def test_virtual_stages_place_model_chunks_as_megatron_does():
             assert 0 in [get_num_layers_to_build(c, vp_stage=v, pp_rank=s) for s in range(pp) for v in range(vpp)]
         except (ValueError, AssertionError):
             pass
+    mask = torch.zeros(5, 32, dtype=torch.bool)
+    for row, length in enumerate((30, 20, 12, 9, 4)):
+        mask[row, :length] = True
+    for spec in (PlanSpec(packing=True, max_tokens=32), PlanSpec(max_tokens=48)):  # 3 packed rows; 3 budget groups
+        plain = plan_groups(mask, spec)
+        groups = plan_groups(mask, dataclasses.replace(spec, count_multiple=2))
+        assert len(plain) % 2 and len(groups) == len(plain) + 1 and sorted(sum(groups, [])) == list(range(5))
     with pytest.raises(ValueError, match=r"policy\.megatron_cfg\.virtual_pipeline_model_parallel_size=2 needs "
                                          r"policy\.megatron_cfg\.pipeline_model_parallel_size > 1"):
         MegatronConfig(virtual_pipeline_model_parallel_size=2)

@@ -141,12 +141,16 @@ def forward_log_probs(model, batch: PackedBatch, *, compute_dtype: torch.dtype, 
     forward-only schedule (pipeline stages pass activations; the last stage computes the log-probs and
     every stage gets them). ``plan``: the micro-batches
     (``models/packing.py``: padded, token-budget or packed rows); default ``micro_batch_size`` padded
-    rows, with PP > 1 padded to whole micro-batches (the P2P buffers have one shape)."""
+    rows, with PP > 1 padded to whole micro-batches (the P2P buffers have one shape); with model chunks
+    (interleaved virtual stages) the last micro-batch repeated up to a multiple of PP."""
     device = model_device(model)
     batch = batch.to(device)
+    pp = comm.group_size(comm.pipeline_group())
     if plan is None:
-        spec = PlanSpec(micro_batch_size=micro_batch_size, fixed_width=comm.group_size(comm.pipeline_group()) > 1)
+        spec = PlanSpec(micro_batch_size=micro_batch_size, fixed_width=pp > 1)
         plan = build_plan(batch.input_ids, batch.labels, batch.mask, spec)
+    if isinstance(model, (list, tuple)) and len(plan) % pp:  # the interleaved schedule: groups of PP micro-batches
+        plan = list(plan) + [plan[-1]] * (pp - len(plan) % pp)  # a repeat writes the same log-probs again
     out = torch.zeros(batch.labels.shape, dtype=torch.float32, device=device)
     got = []
 

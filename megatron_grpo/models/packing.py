@@ -115,6 +115,9 @@ class PlanSpec:
     """every row the same width (pipeline parallelism: its buffers have one shape)"""
     thd: bool = False
     """packed rows as Transformer Engine THD ``PackedSeqParams`` instead of a mask"""
+    count_multiple: int = 1
+    """token-budget and packed plans: micro-batches split until their count is a multiple of this (interleaved
+    virtual pipeline stages: PP, Megatron's interleaved schedule runs them in groups of PP)"""
 
     @property
     def balances_tokens(self) -> bool:
@@ -186,8 +189,10 @@ def plan_groups(mask: torch.Tensor, spec: PlanSpec) -> List[List[int]]:
     lengths = needed_lengths(mask)
     if spec.packing:
         capacity = max(spec.max_tokens or 0, _round_up(max(lengths), spec.multiple))
-        return [sorted(b) for b in first_fit_decreasing(lengths, capacity)]
-    return group_by_tokens(lengths, spec.max_tokens, spec.multiple)
+        groups = [sorted(b) for b in first_fit_decreasing(lengths, capacity)]
+    else:
+        groups = group_by_tokens(lengths, spec.max_tokens, spec.multiple)
+    return split_to_count(groups, _round_up(len(groups), spec.count_multiple))
 
 
 def build_plan(input_ids: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor, spec: PlanSpec,

@@ -18,7 +18,7 @@ from megatron.core import parallel_state as ps
 
 from megatron_grpo.config.precision import FP8
 from megatron_grpo.config.schema import Config, to_dict, to_dtype
-from megatron_grpo.models import build_from_hf, load_hf_config, shape_from_hf
+from megatron_grpo.models import build_from_hf, load_hf_config, model_chunks, shape_from_hf
 from megatron_grpo.models.fp8 import Fp8Recipe
 from megatron_grpo.models.fp8_hf import hf_quantization_config, vllm_env
 from megatron_grpo.models.forward import completion_scores, model_device, pack
@@ -115,7 +115,8 @@ def build_context(cfg: Config) -> TrainContext:
         ref_model, _ = build_from_hf(model_dir, params_dtype=to_dtype(p.params_dtype), backend=backend,
                                      sequence_parallel=m.sequence_parallel, fp8_training=m.fp8_training,
                                      pipeline_split=layout.split)
-        ref_model.requires_grad_(False)
+        for chunk in model_chunks(ref_model):
+            chunk.requires_grad_(False)
     model = wrap_model(model, cfg)
     optimizer = Optimizer(model, cfg)
     tp_group, dp_group = ps.get_tensor_model_parallel_group(), ps.get_data_parallel_group()

@@ -467,7 +467,8 @@ def plan_spec(model, cfg: Config) -> PlanSpec:
         (p.dynamic_batching.max_tokens_per_microbatch if dynamic else None)
     multiple = 8 * sequence_multiple(config)
     return PlanSpec(micro_batch_size=p.train_micro_batch_size, max_tokens=budget, packing=packing, multiple=multiple,
-                    fixed_width=config.pipeline_model_parallel_size > 1, thd=packing and uses_te_attention(model))
+                    fixed_width=config.pipeline_model_parallel_size > 1, thd=packing and uses_te_attention(model),
+                    count_multiple=config.pipeline_model_parallel_size if len(model_chunks(model)) > 1 else 1)
 
 
 def uses_te_attention(model) -> bool:
