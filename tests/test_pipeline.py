@@ -170,7 +170,9 @@ CASES = {"untied": ("untied", [1, 2], BF16), "tied": ("tied", [1, 2], FP8), "moe
 model runs the fp8 shadow (each stage quantizes its own layers; the stages pass bf16)."""
 
 
-VPP_RECIPE = (*BF16, "loss_fn.ratio_clip_min=0.001", "loss_fn.ratio_clip_max=0.001", "grpo.deployed_improvement=true")
+VPP_RECIPE = (*BF16, "loss_fn.ratio_clip_min=0.001", "loss_fn.ratio_clip_max=0.001", "grpo.deployed_improvement=true",
+              "policy.train_micro_batch_size=1")
+"""8 micro-batches: the interleaved schedule's steady state (activations and gradients crossing both ways at once)."""
 
 
 def _vpp_step(model_dir):
@@ -272,7 +274,8 @@ def two_ranks(tiny_dense, tied_dense, near_tie_moe, five_layers):
                                            "five": five_layers})
 
 
-def _assert_equal_to_pp1(ranks, name, layout, prefixes=("precision/", "clip/", "loss", "train/grad_norm")):
+def _assert_equal_to_pp1(ranks, name, layout, prefixes=("precision/", "clip/", "loss", "train/grad_norm"),
+                         weight_atol=1e-6):
     for results in ranks:
         (ref, ref_w, ref_lp, _, _), (metrics, weights, lp, _, _) = results[name][1], results[name][layout]
         assert ref["precision/beta_abs_mean"] > 0 and ref["clip/region_fraction"] > 0, name
@@ -283,7 +286,7 @@ def _assert_equal_to_pp1(ranks, name, layout, prefixes=("precision/", "clip/", "
             assert metrics[key] == pytest.approx(ref[key], abs=1e-5, rel=1e-5), (name, layout, key)
         assert sorted(weights) == sorted(ref_w)
         for key, w in ref_w.items():
-            torch.testing.assert_close(weights[key], w, atol=1e-6, rtol=0, msg=f"{name} {layout} {key}")
+            torch.testing.assert_close(weights[key], w, atol=weight_atol, rtol=0, msg=f"{name} {layout} {key}")
 
 
 def _same(a, b):
@@ -340,14 +343,16 @@ def test_pp2_step_equals_pp1(two_ranks):
 def test_interleaved_virtual_stages_step_equals_pp1(two_ranks):
     """PP = 2 x VPP = 2 (4 layers: rank 0 holds layers 0 and 2, rank 1 layers 1 and 3, one DDP per chunk, the
     embedding on rank 0's first chunk, the head on rank 1's last) trains like PP = 1 x DP = 2: the same
-    log-probs, loss, precision / clip metrics, grad norm and updated weights. The push from every stage sends
+    log-probs, loss, precision / clip metrics, grad norm and updated weights (to Adam's amplification of the
+    summation order in near-zero gradients). Eight micro-batches run the schedule's steady state, where gloo
+    swapped same-shaped activations and gradients under Megatron's batched point-to-point ops. The push from every stage sends
     each chunk's layers under their global names (the generator holds PP = 1's tensors bit for bit; nothing
     crosses between trainer ranks), and after the step a delta push (chunk-keyed shards) equals a full one."""
     chunks = [r["untied"]["vpp"][4] for r in two_ranks]
     assert [c["chunks"] for c in chunks] == [[(0, 1, True, False), (2, 1, False, False)],
                                              [(1, 1, False, False), (3, 1, False, True)]]
     assert all(c["ddp"] == ["DistributedDataParallel"] * 2 and c["built"] == [0, 1] for c in chunks)
-    _assert_equal_to_pp1(two_ranks, "untied", "vpp")
+    _assert_equal_to_pp1(two_ranks, "untied", "vpp", weight_atol=1e-4)  # 8 micro-batches vs 1: Adam at lr 2e-3
     for results in two_ranks:  # a forward-only pass of 3 micro-batches (not a multiple of PP): PP = 1's log-probs
         odd, ref_lp = results["untied"]["vpp"][4]["odd"], results["untied"][1][2][:3]
         torch.testing.assert_close(odd, ref_lp, atol=1e-5, rtol=0)

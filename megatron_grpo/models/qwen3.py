@@ -75,8 +75,20 @@ def transformer_config(shape: ModelShape, *, params_dtype: torch.dtype = torch.f
         calculate_per_token_loss=True, init_method_std=0.02, pipeline_dtype=params_dtype if pp > 1 else None,
         **_window_options(shape), **_mla_options(shape), **moe,
         **(fp8_training_fields(*fp8_training) if fp8_training else {}),
-        **(pipeline_split or PipelineSplit()).config_kwargs(pp),
+        **(pipeline_split or PipelineSplit()).config_kwargs(pp), **_p2p_options(pipeline_split),
     )
+
+
+def _p2p_options(split: Optional[PipelineSplit]) -> Dict[str, Any]:
+    """Interleaved virtual stages off CUDA: Megatron's unbatched point-to-point ops. Its batched ones
+    (``batch_isend_irecv``) are matched as one group only by NCCL; gloo matches each send to a receive from
+    the same rank in posting order, and at PP = 2 (the previous stage is the next) the interleaved schedule's
+    steady state posts an activation and a gradient each way at once, in an order the peer does not mirror:
+    same-shaped tensors are swapped silently. The unbatched ops order them by rank parity and send the two
+    directions over different groups (``p2p_communication._p2p_ops``)."""
+    if split is None or split.vpp == 1 or torch.cuda.is_available():
+        return {}
+    return dict(batch_p2p_comm=False)
 
 
 def _moe_options(shape: ModelShape, router_dtype: str, aux_loss_coeff: float, z_loss_coeff: float) -> Dict[str, Any]:
