@@ -192,6 +192,26 @@ def test_activation_formula_by_hand():
     assert layer_score_bytes(cfg, SHAPE) == 0
 
 
+def test_interleaved_stages_hold_megatrons_in_flight_chunks():
+    """Interleaved virtual stages (PP = 4, V = 2, many micro-batches): stage k holds Megatron's warmup of
+    2 (PP - k - 1) + (V - 1) PP chunk forwards plus one, each chunk half the stage's layers: stage 0
+    PP (1 + (PP - 1) / (PP V)) = 5.5 micro-batches' whole-stage activations (Narayanan et al. 2021), the last
+    stage 2.5, 1F1B's 4 and 1; a stage's layers are its chunks' (stage 0 of 8 layers: 0 and 4)."""
+    from megatron_grpo.trainer.plan_activations import num_micro_batches_in_flight, stage_layer_ids
+
+    cfg = from_dict(Config, {"policy": {"train_micro_batch_size": 1,
+                                        "megatron_cfg": {"pipeline_model_parallel_size": 4}},
+                             "grpo": {"num_prompts_per_step": 8, "num_generations_per_prompt": 8}})
+    assert [num_micro_batches_in_flight(cfg, 1, k) for k in range(4)] == [4, 3, 2, 1]
+    cfg.policy.megatron_cfg.virtual_pipeline_model_parallel_size = 2  # past the recipe's refusal: the plan alone
+    assert [num_micro_batches_in_flight(cfg, 1, k) for k in range(4)] == [5.5, 4.5, 3.5, 2.5]
+    assert 4 * (1 + 3 / 8) == 5.5
+    shape = dataclasses.replace(SHAPE, num_layers=8)
+    assert [stage_layer_ids(cfg, shape, k) for k in range(4)] == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    cfg.policy.train_micro_batch_size = 32  # 2 micro-batches: all of them in flight, 2 x V chunks = 2 stages' worth
+    assert num_micro_batches_in_flight(cfg, 1, 0) == 2
+
+
 def _cfg(**cluster):
     return from_dict(Config, {"policy": {"train_micro_batch_size": 8}, "generation": {"max_model_len": 512},
                               "cluster": cluster})
