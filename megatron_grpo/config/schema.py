@@ -27,11 +27,10 @@ from megatron_grpo.parallel.stages import PipelineSplit, check_split
 
 logger = logging.getLogger(__name__)
 
-VPP_MISSING = ("the layer placement is (parallel/stages.py), but not the model chunks' building and HF weight "
-               "loading, Megatron's interleaved schedule over the chunk list in the training step and the "
-               "log-prob / shadow forwards, DDP / optimizer / finalize_model_grads over the chunks, the "
-               "checkpoints' per-chunk sharded state, the weight push and export at per-chunk layer offsets, "
-               "and the memory plan's in-flight chunks")
+VPP_MISSING = ("the model chunks, Megatron's interleaved schedule, the log-prob / shadow forwards, checkpoints, the "
+               "push and the memory plan are wired and tested at PP = 2 x VPP = 2 against PP = 1, but not yet a MoE "
+               "model (the routing control over several chunks), the fp8 shadow, sequence packing or TP / DP > 1 with "
+               "interleaving, nor a CI run of the whole trainer")
 """What ``policy.megatron_cfg.virtual_pipeline_model_parallel_size`` > 1 still lacks (its refusal names it)."""
 
 @dataclass
@@ -57,8 +56,8 @@ class MegatronConfig:
     over them and placed round-robin (stage s's chunk v holds the v-th round's s-th block), run by Megatron's
     interleaved 1F1B schedule: a smaller pipeline bubble for more point-to-point traffic. Needs
     pipeline_model_parallel_size > 1, every stage's layer count divisible by it, and the micro-batches per
-    data-parallel rank a multiple of pipeline_model_parallel_size. null or 1 = off. Not wired yet: values above
-    1 are refused (what is missing is named)."""
+    data-parallel rank a multiple of pipeline_model_parallel_size. null or 1 = off. Not enabled yet: values above
+    1 are refused (the refusal names what is not yet covered)."""
     expert_model_parallel_size: int = 1
     """EP: splits MoE experts across ranks."""
     expert_tensor_parallel_size: int = 1
@@ -105,7 +104,7 @@ class MegatronConfig:
         if self.pipeline_split.vpp > 1:
             raise ValueError(f"policy.megatron_cfg.virtual_pipeline_model_parallel_size="
                              f"{self.virtual_pipeline_model_parallel_size}: interleaved virtual pipeline stages are not "
-                             f"wired yet ({VPP_MISSING}); leave it null")
+                             f"enabled yet ({VPP_MISSING}); leave it null")
         if self.pipeline_model_parallel_size == 1 and not self.pipeline_split.is_even:
             logger.warning("policy.megatron_cfg: %s has no effect with pipeline_model_parallel_size=1",
                            self.pipeline_split.describe())
