@@ -440,8 +440,8 @@ def test_a_token_budget_or_packed_row_that_runs_out_of_memory_fails_check_fits()
 
 def test_delta_push_copy_is_counted_on_rank_0_by_hand():
     """``generation.delta_push`` keeps rank 0's shards as last sent in the generation dtype (+ whole copies of the
-    gathered tensors of at most 1M elements, + the uint8 masks of the largest tensor being gathered); none at PP > 1
-    (full pushes) or without it. Measured against a real TP = 2 x EP = 2 push in tests/test_delta.py."""
+    gathered tensors of at most 1M elements, + the uint8 masks of the largest tensor being gathered); at PP > 1 each
+    stage's leader keeps its own stage's (it pushes its own layers); none without it. Measured against a real TP = 2 x EP = 2 push in tests/test_delta.py."""
     from megatron_grpo.trainer.plan import gathered_checksummed_elements, largest_hf_tensor
 
     shape = shape_from_hf(load_hf_config(QWEN3_06B))
@@ -458,8 +458,11 @@ def test_delta_push_copy_is_counted_on_rank_0_by_hand():
     assert plan(**tp2).term("delta push copy").bytes == 2 * (count_params(shape, tp=2).num_local + 28 * 2 * kv) \
         + 2 * largest
     assert largest_hf_tensor(shape) == largest
-    names = {t.name for t in plan(**{"policy.megatron_cfg.pipeline_model_parallel_size": 2}).terms}
-    assert "delta push copy" not in names
+    pp2 = plan(**{"policy.megatron_cfg.pipeline_model_parallel_size": 2})  # each stage's leader keeps its own
+    stage = count_params(shape, pp=2, stage=pp2.stage)
+    assert pp2.term("delta push copy").bytes == 2 * stage.num_local + 2 * largest
+    assert 0 < stage.num_local < count_params(shape).num_local
+    assert gathered_checksummed_elements(shape, tp=2, num_layers=14) == 14 * 2 * kv  # a stage's layers
     assert "delta push copy" not in {t.name for t in plan(**{"generation.delta_push": False}).terms}
 @pytest.mark.parametrize("arch", ["qwen2", "mistral", "mixtral", "deepseek-v3"])
 def test_family_param_counts_and_layer_sizes_equal_the_built_model(arch, tiny_family, megatron_single):

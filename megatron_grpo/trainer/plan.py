@@ -329,34 +329,36 @@ def _push_term(cfg: Config, shape: ModelShape) -> Term:
 
 
 def gathered_checksummed_elements(shape: ModelShape, *, tp: int = 1, ep: int = 1, etp: int = 1,
-                                  digest_max_numel: int = DIGEST_MAX_NUMEL) -> int:
+                                  digest_max_numel: int = DIGEST_MAX_NUMEL, num_layers: Optional[int] = None) -> int:
     """Elements of the HF tensors a delta push's sender keeps whole (``DeltaState.fulls``): gathered from
     several ranks (TP-split dense tensors at TP > 1, experts at EP x ETP > 1) and at most ``digest_max_numel``
-    (checksummed: completed from that copy where only the changed values travelled)."""
+    (checksummed: completed from that copy where only the changed values travelled); ``num_layers``: a
+    pipeline stage's decoder layers (default all; the embedding and output layer are counted either way)."""
     h, d = shape.hidden_size, shape.head_dim
+    num_layers = shape.num_layers if num_layers is None else num_layers
     dense, experts = [], []
     if tp > 1:
         dense = [shape.vocab_size * h] * (1 if shape.tie_word_embeddings else 2)
         layer = [shape.num_heads * d * h, shape.num_kv_heads * d * h, shape.num_kv_heads * d * h, shape.num_heads * d * h]
         layer += [] if shape.is_moe else [shape.ffn_hidden_size * h] * 3
-        dense += layer * shape.num_layers
+        dense += layer * num_layers
     if shape.is_moe and ep * etp > 1:
-        experts = [shape.moe_ffn_hidden_size * h] * (3 * shape.num_experts * shape.num_layers)
+        experts = [shape.moe_ffn_hidden_size * h] * (3 * shape.num_experts * num_layers)
     return sum(n for n in dense + experts if n <= digest_max_numel)
 
 
-def _delta_term(cfg: Config, shape: ModelShape, count: ParamCount) -> Term:
-    """``generation.delta_push`` on the stage-0 leader (pipeline parallelism pushes full weights, no copy): the
-    shards it sends as last sent, whole copies of the small gathered tensors, and the change masks of the
-    largest tensor being gathered (uint8, its shards and whole)."""
+def _delta_term(cfg: Config, shape: ModelShape, count: ParamCount, num_layers: int) -> Term:
+    """``generation.delta_push`` on a stage leader (rank 0 at PP = 1; each stage's leader pushes its own
+    layers at PP > 1): the shards it sends as last sent, whole copies of the small gathered tensors of its
+    ``num_layers`` layers, and the change masks of the largest tensor being gathered (uint8, shards and whole)."""
     m, size = cfg.policy.megatron_cfg, generation_itemsize(cfg)
     whole = gathered_checksummed_elements(shape, tp=m.tensor_model_parallel_size, ep=m.expert_model_parallel_size,
-                                          etp=m.expert_tensor_parallel_size)
+                                          etp=m.expert_tensor_parallel_size, num_layers=num_layers)
     fp8 = fp8_local_elements(cfg, shape) if cfg.policy.precision.generation_dtype == FP8 else 0.0
     kept = size * (count.num_local - fp8 + whole) + fp8_value_bytes(cfg) * fp8  # fp8: 1 B + scales per FP8 value
     return Term("delta push copy", kept + 2 * largest_hf_tensor(shape),
                 ("generation.delta_push",) + LAYOUT_KEYS + EXPERT_KEYS,
-                f"rank 0: its shards as last sent ({count.num_local / 1e9:.3f}B elements) + {whole / 1e6:.3g}M elements "
+                f"stage leaders: their shards as last sent ({count.num_local / 1e9:.3f}B elements) + {whole / 1e6:.3g}M elements "
                 f"of gathered tensors <= {DIGEST_MAX_NUMEL} elements kept whole, in the generation dtype, + the uint8 "
                 "change masks of the largest tensor gathered; every other rank sending to it keeps its own shards")
 
@@ -419,8 +421,8 @@ def _stage_plan(cfg: Config, shape: ModelShape, world_size: int, stage: int) -> 
         terms.append(_reference_term(cfg, count))
     if cfg.generation.backend != "megatron":  # the megatron engine uses the trainer's weights: nothing is pushed
         terms.append(_push_term(cfg, shape))
-    if cfg.generation.delta_push and pp == 1:
-        terms.append(_delta_term(cfg, shape, count))
+    if cfg.generation.delta_push:  # every stage's leader pushes its own layers, with their kept copy
+        terms.append(_delta_term(cfg, shape, count, layers[stage]))
     if _fp8_forward_runs(cfg):
         terms.append(_fp8_forward_term(cfg, shape))
     if stage == 0 and generator_colocated(cfg):
