@@ -485,7 +485,7 @@ def test_virtual_stages_place_model_chunks_as_megatron_does():
     plan, validation) against Megatron-Core's ``get_num_layers_to_build`` / ``get_transformer_layer_offset`` for
     every (stage, virtual stage) of even, uneven and embedding / loss-accounted splits; a split whose chunks
     cannot be equal is a ValueError naming the key, which Megatron's ``TransformerConfig`` refuses too (or
-    builds an empty chunk); the recipe refuses VPP at PP = 1 and, until every path is wired, VPP > 1."""
+    builds an empty chunk); the recipe refuses VPP at PP = 1 and with an FP8 forward."""
     from megatron.core.transformer.transformer_block import get_num_layers_to_build
     from megatron.core.transformer.transformer_config import TransformerConfig
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
@@ -531,9 +531,15 @@ def test_virtual_stages_place_model_chunks_as_megatron_does():
         MegatronConfig(virtual_pipeline_model_parallel_size=2)
     with pytest.raises(ValueError, match=r"virtual_pipeline_model_parallel_size must be >= 1"):
         MegatronConfig(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=0)
-    with pytest.raises(ValueError, match=r"virtual_pipeline_model_parallel_size=2: interleaved virtual pipeline "
-                                         r"stages are not enabled yet \(.*not yet a MoE model"):
-        MegatronConfig(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2)
+    assert MegatronConfig(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2).pipeline_split.vpp == 2
+    from megatron_grpo.config.schema import Config, from_dict
+
+    vpp = {"pipeline_model_parallel_size": 2, "virtual_pipeline_model_parallel_size": 2}
+    with pytest.raises(ValueError, match=r"virtual_pipeline_model_parallel_size=2 with an FP8 forward \(policy\.precision "
+                                         r"generation_dtype=fp8.*leave virtual_pipeline_model_parallel_size null"):
+        from_dict(Config, {"policy": {"megatron_cfg": vpp, "precision": {"compute_dtype": "bfloat16",
+                                                                         "generation_dtype": "fp8"}},
+                           "generation": {"backend": "vllm"}})
     assert MegatronConfig(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=1).pipeline_split \
         .config_kwargs(2) == {}
 

@@ -2,6 +2,7 @@
 
 import pytest
 
+from megatron_grpo.parallel.stages import PipelineSplit
 from megatron_grpo.parallel.state import Layout, has_gloo_groups, validate_layout
 
 
@@ -13,6 +14,8 @@ from megatron_grpo.parallel.state import Layout, has_gloo_groups, validate_layou
     (Layout(world_size=2, ep=2), {"num_experts": 0}, "expert_model_parallel_size"),
     (Layout(world_size=2, tp=2), {"num_query_groups": 1}, "tensor_model_parallel_size"),
     (Layout(world_size=2, tp=0), {}, "tensor_model_parallel_size"),
+    (Layout(world_size=2, pp=2, split=PipelineSplit(virtual_pipeline_model_parallel_size=2)), {"num_experts": 8},
+     r"virtual_pipeline_model_parallel_size=2 with a MoE model \(num_experts=8\).*leave it null"),
 ])
 def test_impossible_layouts_name_the_key(layout, kwargs, key):
     with pytest.raises(ValueError, match=key):

@@ -61,7 +61,7 @@ def build_from_hf(model_dir: str, *, params_dtype: torch.dtype = torch.float32, 
                          f"{config.virtual_pipeline_model_parallel_size}: parallel state was initialised with {vpp}")
     if vpp and shape.is_moe:
         raise ValueError(f"policy.megatron_cfg.virtual_pipeline_model_parallel_size={vpp} with a MoE model: the "
-                         f"routing control (models/routing.py) over several model chunks is not wired")
+                         f"routing control (models/routing.py) over several model chunks is not wired; leave it null")
     models = [build_gpt_model(shape, config, backend=backend, vp_stage=v) for v in range(vpp)] if vpp \
         else [build_gpt_model(shape, config, backend=backend)]
     for model in models:

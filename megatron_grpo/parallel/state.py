@@ -57,6 +57,10 @@ def validate_layout(layout: Layout, *, num_layers: Optional[int] = None, num_exp
                          f"{prefix}.pipeline_model_parallel_size = {layout.world_size // layout.pp}")
     if num_layers is not None:
         layout.split.chunk_layers(num_layers, layout.pp)  # ValueError naming the keys
+    if num_experts and layout.split.vpp > 1:
+        raise ValueError(f"{prefix}.virtual_pipeline_model_parallel_size={layout.split.vpp} with a MoE model "
+                         f"(num_experts={num_experts}): the routing control (models/routing.py) over several model "
+                         "chunks is not wired; leave it null")
     if layout.ep > 1 and num_experts is not None and not num_experts:
         raise ValueError(f"{prefix}.expert_model_parallel_size={layout.ep} needs a MoE model (num_experts > 0)")
     if num_experts and num_experts % layout.ep:
