@@ -59,13 +59,15 @@ class FakeEngine:
             raise GeneratorError("fake generator process is not running (exit code -9)")
 
     def submit_generate(self, prompts, n, sampling):
+        """Generates with the weights loaded now (as vLLM: a push waits for the requests in flight)."""
         self._check_running()
-        return [(p, i, sampling.seed + p * n + i) for p in range(len(prompts)) for i in range(n)], list(prompts)
+        rows = [(p, i, sampling.seed + p * n + i) for p in range(len(prompts)) for i in range(n)]
+        return rows, list(prompts), self.policy_version
 
     def collect(self, handle):
         self._check_running()
-        rows, prompts = handle
-        return Rollouts([Rollout(p, prompts[p], [seed], [0.0], "length", self.policy_version) for p, i, seed in rows])
+        rows, prompts, version = handle
+        return Rollouts([Rollout(p, prompts[p], [seed], [0.0], "length", version) for p, i, seed in rows])
 
     def begin_weight_push(self):
         self._check_running()

@@ -269,7 +269,8 @@ def _trainer(st, model_dir, root, step, async_save=False):
              model_dir=model_dir)
     return NS(ctx=ctx, cfg=NS(checkpointing=NS(checkpoint_dir=root, keep_last_n=3, async_save=async_save,
                                                fully_parallel_load=True)),
-              step=step, version=step, gate=NS(dropped=step), consecutive_skips=0, probe=None)
+              step=step, version=step, gate=NS(dropped=step), consecutive_skips=0, probe=None,
+              in_flight_state=list, restore_in_flight=lambda saved: None)
 
 
 def _train_step(st, rows, step):

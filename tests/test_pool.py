@@ -176,7 +176,7 @@ def test_an_engine_that_dies_while_restarting_stays_failed_and_is_restarted_alon
     assert pool.versions() == [0, 0] and all(len(e.loaded) == 2 for e in pool.engines)
 
 
-def _loop_over_fake_engines(log_dir, num_steps, max_restarts, rank=0):
+def _loop_over_fake_engines(log_dir, num_steps, max_restarts, rank=0, staleness=0):
     """The real ``GRPOTrainer.train`` loop, rollouts (``next_rollouts``) and push (``push_weights``, the
     gather stubbed) around a 1-engine pool of fakes held by rank 0; the step records each rollout's prompt,
     tokens and version, the pool each engine it builds."""
@@ -208,7 +208,8 @@ def _loop_over_fake_engines(log_dir, num_steps, max_restarts, rank=0):
             self.cfg.grpo.num_generations_per_prompt = 2
             self.cfg.generation.max_restarts, self.cfg.generation.parity_probe_every = max_restarts, 0
             self.cfg.logger.log_dir = str(log_dir)
-            self.gate = StalenessGate(0)
+            self.cfg.generation.max_staleness = staleness
+            self.gate = StalenessGate(staleness)
             engine = EnginePool(lambda i: self.built.append(i) or FakeEngine(i), 1) if rank == 0 else None
             self.ctx = type("Ctx", (), {"rank": rank, "device": torch.device("cpu"), "eos_id": 0,
                                         "sampler": Sampler(), "engine": engine})()
@@ -270,6 +271,47 @@ def test_a_generator_killed_again_while_restarting_is_one_more_restart_and_the_r
     assert len(short.seen) == 2 and short.built == [0, 0]
     assert "generator failed during generation at step 3 (engine 0 of 1: fake generator process is not running" \
         in caplog.text
+
+
+def test_an_async_run_resumed_from_its_checkpoint_trains_on_the_generations_that_were_in_flight(tmp_path):
+    """max_staleness = 1: the checkpoint after step 2 holds step 3's generation, submitted before step 2
+    trained (weights version 1) and whose prompts the saved data position has passed. A run resumed from it
+    (a fresh engine, pushed the resumed weights, version 2) trains steps 3-4 on exactly the uninterrupted
+    run's rollouts: the same prompts, completions and versions. Without them (a checkpoint from before they
+    were saved) step 3 trains on the next step's prompts, generated on-policy."""
+    import io
+
+    straight = _loop_over_fake_engines(tmp_path / "straight", 4, max_restarts=0, staleness=1)
+    assert straight.train() == 0
+    assert [{v for _, _, v in step} for step in straight.seen] == [{0}, {0}, {1}, {2}]  # one version of lag
+
+    def first_two_steps():
+        first = _loop_over_fake_engines(tmp_path / "first", 4, max_restarts=0, staleness=1)
+        first.cfg.checkpointing.checkpoint_dir, first.cfg.checkpointing.save_period = str(tmp_path / "ck"), 1
+        saved = []
+
+        def save():  # the in-flight part of trainer_state.pt, through torch.save / load(weights_only=True)
+            buffer = io.BytesIO()
+            torch.save({"in_flight": first.in_flight_state()}, buffer)
+            buffer.seek(0)
+            saved.append(torch.load(buffer, weights_only=True)["in_flight"])
+
+        first.save, first.stop_requested = save, lambda: first.step >= 2
+        first.train()  # stops after step 2 (and its save), as at a signal
+        assert first.seen == straight.seen[:2] and len(saved[-1]) == 1 and saved[-1][0]["step"] == 2
+        return first, saved[-1]
+
+    def resumed(first, in_flight):
+        again = _loop_over_fake_engines(tmp_path / "again", 4, max_restarts=0, staleness=1)
+        again.step, again.version, again.ctx.sampler.drawn = first.step, first.version, first.ctx.sampler.drawn
+        again.push_weights(probe=False)  # a resume pushes the checkpoint's weights to the new engine
+        again.restore_in_flight(in_flight)
+        assert again.train() == 0
+        return again.seen
+
+    assert resumed(*first_two_steps()) == straight.seen[2:]
+    old = resumed(first_two_steps()[0], None)
+    assert old != straight.seen[2:] and {v for _, _, v in old[0]} == {2}
 
 
 # ---- vLLM: one tiny training run, then a shared 2-engine pool -------------------------------------------------

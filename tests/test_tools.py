@@ -431,3 +431,43 @@ def test_bench_weight_sync_fp8_delta_side_by_side(tiny_dense, megatron_single):
     assert dense8 < dense16 and sent8 < dense8 and sent16 < dense16
     assert dense8 == sum(t.numel() * t.element_size() for t in pushed.values())
     assert shares16["e4m3"] is None and 0 < shares8["e4m3"] < shares16["bf16"] < 1 and 0 <= shares8["scales"] < 1
+
+
+FAKE_TRAIN = r'''
+import json, os, sys
+args = dict(a.split("=", 1) for a in sys.argv[1:] if "=" in a)
+log, ckpt, steps = args["logger.log_dir"], args["checkpointing.checkpoint_dir"], int(args["grpo.max_num_steps"])
+start = int(open(os.path.join(ckpt, "step")).read()) if os.path.isfile(os.path.join(ckpt, "step")) else 0
+assert args["checkpointing.resume"] == "true" and args["checkpointing.save_period"] == "1"
+print("launch at", start)
+for step in range(start + 1, steps + 1):
+    with open(os.path.join(log, "metrics.jsonl"), "a") as f:
+        f.write(json.dumps({"step": step, "reward/mean": -float(step)}) + "\n")
+    os.makedirs(ckpt, exist_ok=True)
+    open(os.path.join(ckpt, "step"), "w").write(str(step))
+    if step == 2 and start == 0:
+        sys.exit(137)  # killed after step 2's save
+'''
+
+
+def test_study_runs_save_every_step_and_go_on_from_their_last_step(tmp_path):
+    """A study run (``train_command(..., checkpoint_every_step=True)``) stopped mid-way resumes from its last saved
+    step, keeps its first launch's log and wall time, and drops its checkpoints once complete."""
+    from megatron_grpo.observe import experiments
+
+    fake = tmp_path / "fake_train.py"
+    fake.write_text(FAKE_TRAIN)
+    log_dir = str(tmp_path / "B8" / "seed0")
+    cmd = experiments.train_command("r.yaml", ["loss_fn.ratio=train"], 0, log_dir, 4, 1, checkpoint_every_step=True)
+    assert f"checkpointing.checkpoint_dir={os.path.join(log_dir, 'ckpt')}" in cmd
+    cmd = [sys.executable, str(fake)] + cmd[cmd.index("train") + 2:]
+    assert not experiments.run_one(cmd, log_dir, 4)  # killed after step 2
+    assert [r["step"] for r in experiments.read_rows(log_dir)] == [1, 2] and os.path.isdir(os.path.join(log_dir, "ckpt"))
+    assert experiments.run_one(cmd, log_dir, 4)
+    assert [r["step"] for r in experiments.read_rows(log_dir)] == [1, 2, 3, 4]
+    assert open(os.path.join(log_dir, "train.log")).read().split() == ["launch", "at", "0", "launch", "at", "2"]
+    state = json.load(open(os.path.join(log_dir, "process.json")))
+    assert state["launches"] == 2 and state["returncode"] == 0 and state["process_wall_s"] > 0
+    assert not os.path.exists(os.path.join(log_dir, "ckpt"))  # complete: the resume point is gone, the metrics stay
+    assert experiments.run_one(cmd, log_dir, 4)  # complete: not re-run
+    assert json.load(open(os.path.join(log_dir, "process.json")))["launches"] == 2

@@ -99,8 +99,9 @@ def save_checkpoint(trainer) -> str:
     rngs = [None] * dist.get_world_size()
     dist.all_gather_object(rngs, ckpt.rng_state())
     layout = sharded_state.layout_record(ctx.model)
-    out.write(ckpt.STATE_FILE,
-              lambda path: torch.save(trainer_state(trainer, rngs, step, with_state, main, group_step, layout), path))
+    in_flight = trainer.in_flight_state() if ctx.rank == 0 else []  # rank 0 holds the generator and writes
+    out.write(ckpt.STATE_FILE, lambda path: torch.save(
+        trainer_state(trainer, rngs, step, with_state, main, group_step, layout, in_flight), path))
     if request is None:
         return _finalize(out, cfg, trainer.step)
     _raise_agreed(out.error)
@@ -210,10 +211,12 @@ def load_sharded(model, optimizer, path: str, step: int, with_state: bool, main_
 
 
 def trainer_state(trainer, rngs, optimizer_step: int, optimizer_state: bool, main_params: bool,
-                  optimizer_group_step: Optional[int] = None, layout: Optional[dict] = None) -> dict:
+                  optimizer_group_step: Optional[int] = None, layout: Optional[dict] = None,
+                  in_flight: Optional[list] = None) -> dict:
     """What ``trainer_state.pt`` holds (plain data: loadable with ``weights_only=True``). Adam's step
     count in both forms: per parameter (torch's Adam / AdamW) and per param group (TE's / Apex's
-    FusedAdam; None without); ``layout``: ``sharded_state.layout_record`` of the saving run."""
+    FusedAdam; None without); ``layout``: ``sharded_state.layout_record`` of the saving run;
+    ``in_flight``: the generations submitted ahead (``GRPOTrainer.in_flight_state``)."""
     ctx = trainer.ctx
     opt = ctx.optimizer
     return {"format": FORMAT, "step": trainer.step, "version": trainer.version,
@@ -222,7 +225,7 @@ def trainer_state(trainer, rngs, optimizer_step: int, optimizer_state: bool, mai
             "optimizer_step": optimizer_step, "optimizer_group_step": optimizer_group_step,
             "optimizer_state": optimizer_state, "main_params": main_params,
             "scheduler": opt.scheduler.state_dict(), "scalers": _scaler_states(opt),
-            "model_dir": getattr(ctx, "model_dir", None), "layout": layout}
+            "model_dir": getattr(ctx, "model_dir", None), "layout": layout, "in_flight": list(in_flight or [])}
 
 
 def _scaler_states(opt) -> list:
@@ -347,6 +350,7 @@ def load_checkpoint(trainer, path: str) -> None:
     trainer.gate.dropped, trainer.consecutive_skips = state["dropped_stale"], state["consecutive_skips"]
     ctx.sampler.position = state["data_position"]
     _restore_parity(trainer, state.get("parity"))
+    trainer.restore_in_flight(state.get("in_flight"))  # absent from checkpoints written before it was saved
     rngs = state["rng"]
     ckpt.set_rng_state(rngs[ctx.rank] if ctx.rank < len(rngs) else rngs[0])
     logger.info("resumed from %s (step %d, policy version %d)", path, trainer.step, trainer.version)

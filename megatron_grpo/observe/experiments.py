@@ -17,6 +17,7 @@ import csv
 import json
 import math
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -46,12 +47,22 @@ SNR_WINDOWS = ((1, 5), (6, 15), (16, 30))
 # ---- running ------------------------------------------------------------------------------------------
 
 
+CKPT_SUBDIR = "ckpt"
+"""A study run's own checkpoints (``log_dir/ckpt``), with ``train_command(..., checkpoint_every_step=True)``."""
+
+
 def train_command(recipe: str, overrides: Sequence[str], seed: int, log_dir: str, steps: int, nproc: int,
-                  extra: Sequence[str] = (), pre: Sequence[str] = ()) -> List[str]:
-    """One run's command line; ``pre`` overrides go before the run's own (which win), ``extra`` after."""
+                  extra: Sequence[str] = (), pre: Sequence[str] = (), checkpoint_every_step: bool = False) -> List[str]:
+    """One run's command line; ``pre`` overrides go before the run's own (which win), ``extra`` after.
+    ``checkpoint_every_step``: the run saves after every step into ``log_dir/ckpt`` (one kept) and resumes from
+    it, so a run stopped mid-way (a session's end, a kill) goes on from its last step, not from step 1; resume
+    is exact (``tests/test_checkpoint.py``), so this changes no number."""
     launcher = [sys.executable, "-m", "megatron_grpo"] if nproc == 1 else [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "-m", "megatron_grpo"]
     args = list(pre) + list(overrides) + [f"grpo.seed={seed}", f"logger.log_dir={log_dir}", "logger.progress_bar=false"]
+    if checkpoint_every_step:
+        args += [f"checkpointing.checkpoint_dir={os.path.join(log_dir, CKPT_SUBDIR)}", "checkpointing.save_period=1",
+                 "checkpointing.resume=true", "checkpointing.keep_last_n=1"]
     if steps:
         args.append(f"grpo.max_num_steps={steps}")
     return launcher + ["train", recipe] + args + list(extra)
@@ -65,15 +76,29 @@ def run_one(cmd: List[str], log_dir: str, expected_steps: int, cwd: Optional[str
         print(f"[sweep] done already: {log_dir}")
         return True
     os.makedirs(log_dir, exist_ok=True)
-    print("[sweep] " + " ".join(cmd), flush=True)
+    ckpt = os.path.join(log_dir, CKPT_SUBDIR)
+    resuming = any(a == f"checkpointing.checkpoint_dir={ckpt}" for a in cmd) and os.path.isdir(ckpt)
+    print("[sweep] " + ("(resuming) " if resuming else "") + " ".join(cmd), flush=True)
     started = time.perf_counter()
-    with open(os.path.join(log_dir, "train.log"), "w") as log:
+    with open(os.path.join(log_dir, "train.log"), "a" if resuming else "w") as log:
         code = subprocess.run(cmd, cwd=cwd, stdout=log, stderr=subprocess.STDOUT).returncode
-    with open(os.path.join(log_dir, "process.json"), "w") as f:  # launch to exit, imports included
-        json.dump({"process_wall_s": time.perf_counter() - started, "returncode": code}, f)
+    _record_process(log_dir, time.perf_counter() - started, code, resuming)
     if code != 0:
         print(f"[sweep] FAILED ({code}): see {os.path.join(log_dir, 'train.log')}", flush=True)
+    elif expected_steps and len(read_rows(log_dir)) >= expected_steps and os.path.isdir(ckpt):
+        shutil.rmtree(ckpt)  # finished: the metrics are the run; its resume point is no longer needed
     return code == 0
+
+
+def _record_process(log_dir: str, wall_s: float, code: int, resuming: bool) -> None:
+    """``log_dir/process.json``: launch-to-exit seconds (imports included) and exit status; a resumed run adds its
+    launches' seconds (``launches`` counts them)."""
+    path = os.path.join(log_dir, "process.json")
+    before = load_state(path) if resuming else {}
+    state = {"process_wall_s": before.get("process_wall_s", 0.0) + wall_s, "returncode": code,
+             "launches": before.get("launches", 0) + 1}
+    with open(path, "w") as f:
+        json.dump(state, f)
 
 
 def run_pairs(recipe: str, grid: Dict[str, List[str]], out: str, pairs: Iterable[Tuple[str, int]], steps: int,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Iterable, List, Optional, Sequence, Tuple
 
 import torch
@@ -52,6 +52,28 @@ class Rollouts:
 
     def __iter__(self):
         return iter(self.items)
+
+    def to_state(self) -> List[dict]:
+        """Plain data (loadable with ``torch.load(weights_only=True)``): a checkpoint's in-flight rollouts."""
+        rows = []
+        for r in self.items:
+            row = asdict(r)
+            if r.routed_experts is not None:
+                row["routed_experts"] = torch.as_tensor(r.routed_experts)
+            rows.append(row)
+        return rows
+
+    @classmethod
+    def from_state(cls, rows: List[dict]) -> "Rollouts":
+        return cls([Rollout(**row) for row in rows])
+
+
+@dataclass
+class Collected:
+    """A generation already collected (an engine-independent handle): the in-flight rollouts a checkpoint
+    saved (``GRPOTrainer.in_flight_state``), trained on after a resume exactly as the uninterrupted run would."""
+
+    rollouts: Rollouts
 
 
 class RolloutEngine:

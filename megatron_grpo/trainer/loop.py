@@ -37,8 +37,9 @@ from megatron_grpo.rollout.parity import DEFAULT_MAX_TOLERANCE, DEFAULT_TOLERANC
 from megatron_grpo.rollout.staleness import StalenessGate
 from megatron_grpo.rollout.transfer.delta import DeltaState
 from megatron_grpo.rollout.transfer.weight_sync import PushReport, push_weights
-from megatron_grpo.rollout.types import GeneratorError
+from megatron_grpo.rollout.types import Collected, GeneratorError
 from megatron_grpo.trainer import build as setup
+from megatron_grpo.trainer import in_flight
 from megatron_grpo.trainer.rewards import agreed_timeout_s, score_once
 from megatron_grpo.trainer.step import build_step_batch, rollout_metrics
 
@@ -281,7 +282,7 @@ class GRPOTrainer:
         faults.maybe_kill_generator(self.step + 1, self.ctx.engine)
         while True:
             handle = self._pending.popleft() if self._pending else self._submit(self.step)
-            rollouts = self.ctx.engine.collect(handle)
+            rollouts = handle.rollouts if isinstance(handle, Collected) else self.ctx.engine.collect(handle)
             oldest = min(r.policy_version for r in rollouts)  # engines of a pool may differ after a restart
             if self.gate.accept(oldest, self.version, len(rollouts)):
                 self._planned = {k: v for k, v in self._planned.items() if k > self.step}
@@ -295,6 +296,17 @@ class GRPOTrainer:
             if step >= self.cfg.grpo.max_num_steps:
                 return
             self._pending.append(self._submit(step))
+
+    def in_flight_state(self) -> list:
+        """Rank 0, at a save: the generations in flight, collected, as plain data (``trainer/in_flight.py``)."""
+        self._pending, saved = in_flight.collect(self._pending, self._planned, self.ctx.engine, self.step)
+        return saved
+
+    def restore_in_flight(self, saved: Optional[list]) -> None:
+        """Requeues a checkpoint's generations in flight (``trainer/in_flight.py``)."""
+        restored = in_flight.restore(saved, self.cfg.generation.max_staleness)
+        if restored is not None:
+            self._pending, self._planned = restored
 
     def _submit(self, step: int):
         """Submits the generation of step index ``step`` (0-based). Its prompts and seeds are drawn

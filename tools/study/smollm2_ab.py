@@ -14,7 +14,8 @@ in docs/results/preregistration-smollm2.md; issue 34's two-seed A / B / G round 
 
 all with one step of lag (``generation.max_staleness=1``: alpha != 0, as the write-up's trainer), eps 0.2
 unscaled, the bf16 shadow forward at steps 1-3 and every 5, the parity probe every 5. Each run is resumable (a
-complete run is not re-run). ``--page DOC`` writes the results page from the runs' metrics.jsonl (``--export DIR``
+complete run is not re-run; a run saves after every step into ``ARM/seedK/ckpt`` and a stopped run goes on from
+its last step; the folder is removed when the run completes). ``--page DOC`` writes the results page from the runs' metrics.jsonl (``--export DIR``
 copies them); its verdicts follow the pre-registered rule (``verdict``).
 
 ``--study fp8-dose`` runs issue 42 item 1's FP8 study the same way (pre-registered in
@@ -248,7 +249,7 @@ def main(argv=None) -> int:
         for arm in arms:
             log_dir = os.path.abspath(os.path.join(args.out, arm, f"seed{seed}"))
             cmd = experiments.train_command(sweep.recipe_for(study.grid, arm), sweep.GRIDS[study.grid][arm], seed,
-                                            log_dir, args.steps, 1, args.overrides)
+                                            log_dir, args.steps, 1, args.overrides, checkpoint_every_step=True)
             ok &= experiments.run_one(cmd, log_dir, args.steps, cwd=ROOT)
     print(page(args.out, args.steps, command, study))
     return 0 if ok else 1
