@@ -468,6 +468,7 @@ def test_study_runs_save_every_step_and_go_on_from_their_last_step(tmp_path):
     assert open(os.path.join(log_dir, "train.log")).read().split() == ["launch", "at", "0", "launch", "at", "2"]
     state = json.load(open(os.path.join(log_dir, "process.json")))
     assert state["launches"] == 2 and state["returncode"] == 0 and state["process_wall_s"] > 0
+    assert state["cpus"] == [experiments.cpu_description()] * 2 and "[" in state["cpus"][0]
     assert not os.path.exists(os.path.join(log_dir, "ckpt"))  # complete: the resume point is gone, the metrics stay
     assert experiments.run_one(cmd, log_dir, 4)  # complete: not re-run
     assert json.load(open(os.path.join(log_dir, "process.json")))["launches"] == 2

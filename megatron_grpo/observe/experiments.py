@@ -90,13 +90,37 @@ def run_one(cmd: List[str], log_dir: str, expected_steps: int, cwd: Optional[str
     return code == 0
 
 
+BF16_ISA = ("avx512_bf16", "amx_bf16", "amx_tile", "avx512f")
+"""CPU flags that change how bf16 / fp16 GEMMs are computed on CPU (native vs emulated kernels)."""
+
+
+def cpu_description() -> str:
+    """This machine's CPU model and its bf16-relevant ISA flags (``/proc/cpuinfo``), e.g. ``AMD EPYC
+    [avx512_bf16 avx512f]``: bf16 runs repeat bit for bit on one machine but not across machines whose bf16
+    kernels differ (native ``avx512_bf16`` vs emulated), so each run records the machines it ran on."""
+    model, flags = "unknown", set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name":
+                    model = value.strip()
+                elif key.strip() == "flags":
+                    flags = set(value.split())
+                if model != "unknown" and flags:
+                    break
+    except OSError:
+        pass
+    return f"{model} [{' '.join(f for f in BF16_ISA if f in flags) or 'no avx512 / native bf16'}]"
+
+
 def _record_process(log_dir: str, wall_s: float, code: int, resuming: bool) -> None:
-    """``log_dir/process.json``: launch-to-exit seconds (imports included) and exit status; a resumed run adds its
-    launches' seconds (``launches`` counts them)."""
+    """``log_dir/process.json``: launch-to-exit seconds (imports included), exit status and the CPU of each launch
+    (``cpu_description``); a resumed run adds its launches' seconds (``launches`` counts them)."""
     path = os.path.join(log_dir, "process.json")
     before = load_state(path) if resuming else {}
     state = {"process_wall_s": before.get("process_wall_s", 0.0) + wall_s, "returncode": code,
-             "launches": before.get("launches", 0) + 1}
+             "launches": before.get("launches", 0) + 1, "cpus": before.get("cpus", []) + [cpu_description()]}
     with open(path, "w") as f:
         json.dump(state, f)
 
