@@ -56,7 +56,8 @@ def train_command(recipe: str, overrides: Sequence[str], seed: int, log_dir: str
     """One run's command line; ``pre`` overrides go before the run's own (which win), ``extra`` after.
     ``checkpoint_every_step``: the run saves after every step into ``log_dir/ckpt`` (one kept) and resumes from
     it, so a run stopped mid-way (a session's end, a kill) goes on from its last step, not from step 1; resume
-    is exact (``tests/test_checkpoint.py``), so this changes no number."""
+    is exact (``tests/test_checkpoint.py``; an async run's generations in flight: ``tests/test_pool.py``), so this
+    changes no number."""
     launcher = [sys.executable, "-m", "megatron_grpo"] if nproc == 1 else [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "-m", "megatron_grpo"]
     args = list(pre) + list(overrides) + [f"grpo.seed={seed}", f"logger.log_dir={log_dir}", "logger.progress_bar=false"]
