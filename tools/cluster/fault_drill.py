@@ -3,6 +3,8 @@
 Every drill runs the tiny recipe (CPU) with a checkpoint every step and is compared with one
 uninterrupted run of the same recipe:
   - SIGKILL between steps 3 and 4, then ``checkpointing.resume=true``;
+  - the same for an async run (``generation.max_staleness=1``: step 4's generation is in flight at the
+    checkpoint), compared with an uninterrupted async run;
   - SIGTERM to one rank of a 2-rank torchrun run (the other must not hang), then resume;
   - SIGTERM to the whole process group (what Slurm sends), then resume;
   - the vLLM generator killed during generation, during the weight push and during the probe;
@@ -125,6 +127,19 @@ def drill_kill(out, model, reference):
     return verdict("SIGKILL after step 3, resume", code, read_rows(log_dir), reference)
 
 
+def drill_kill_async(out, model):
+    """SIGKILL after step 3 of an async run, resume: step 4 must train on the generation in flight at step 3's
+    checkpoint (lag 1), as the uninterrupted async run does."""
+    async_run = ["generation.max_staleness=1"]
+    ref_dir = os.path.join(out, "uninterrupted-async")
+    run([f"policy.model_name={model}"] + async_run, ref_dir)
+    log_dir, _, base = _base(out, "sigkill-async", model)
+    run(base + async_run, log_dir, {"MEGATRON_GRPO_FAULT_KILL_AFTER_STEP": "3"})
+    code, _ = run(base + async_run + ["checkpointing.resume=true"], log_dir)
+    return verdict("SIGKILL after step 3 of an async run (max_staleness 1), resume", code, read_rows(log_dir),
+                   read_rows(ref_dir))
+
+
 def drill_sigterm(out, model, reference, whole_group: bool):
     name = "sigterm-process-group" if whole_group else "sigterm-one-rank-of-2"
     log_dir, _, base = _base(out, name, model)
@@ -187,6 +202,7 @@ def drill_nan(out, model):
 
 DRILLS = {
     "sigkill": drill_kill,
+    "sigkill-async": lambda o, m, r: drill_kill_async(o, m),
     "sigterm-rank": lambda o, m, r: drill_sigterm(o, m, r, whole_group=False),
     "sigterm-group": lambda o, m, r: drill_sigterm(o, m, r, whole_group=True),
     "gen-generate": lambda o, m, r: drill_generator(o, m, r, "generate:2", "generator killed during generation"),
