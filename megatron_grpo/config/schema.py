@@ -30,6 +30,7 @@ logger = logging.getLogger(__name__)
 VPP_NOT_WITH = "a MoE model (the routing control over several chunks) or an FP8 forward (fp8 shadow / generator / TE fp8)"
 """What ``policy.megatron_cfg.virtual_pipeline_model_parallel_size`` > 1 is refused with (not wired or not tested)."""
 
+
 @dataclass
 class MegatronConfig:
     """Megatron-Core parallel layout and backend (NeMo-RL's ``policy.megatron_cfg``)."""
@@ -53,8 +54,8 @@ class MegatronConfig:
     over them and placed round-robin (stage s's chunk v holds the v-th round's s-th block), run by Megatron's
     interleaved 1F1B schedule: a smaller pipeline bubble for more point-to-point traffic. Needs
     pipeline_model_parallel_size > 1, every stage's layer count divisible by it, and the micro-batches per
-    data-parallel rank a multiple of pipeline_model_parallel_size. null or 1 = off. Not enabled yet: values above
-    1 are refused (the refusal names what is not yet covered)."""
+    data-parallel rank a multiple of pipeline_model_parallel_size. null or 1 = off. Dense models only: refused with
+    a MoE model (at the layout check) and with an FP8 forward (``VPP_NOT_WITH``)."""
     expert_model_parallel_size: int = 1
     """EP: splits MoE experts across ranks."""
     expert_tensor_parallel_size: int = 1
