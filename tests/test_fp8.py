@@ -89,6 +89,18 @@ def test_block_scales_zero_block_pow2_and_reference():
         assert ((deq - ref_w).abs() <= blocks_amax * 2 ** -4 + 1e-12).all()
 
 
+def test_block_scales_divide_exactly_on_every_device():
+    """Every finite positive bf16 amax: the scales are true fp32 division (as vLLM's quantization kernels
+    compute them), on the CPU and, where there is one, on CUDA, where division by a Python scalar is a
+    reciprocal multiply, 1 ulp off for about half of them."""
+    amax = torch.arange(1, 0x7F80, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    ref = (amax.double() / 448.0).float()  # fp64 then fp32: exact for a quotient of fp32 values (53 >= 2 * 24 + 2)
+    devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    for device in devices:
+        assert torch.equal(fp8.block_scales(amax.to(device), False).cpu(), ref), device
+        assert torch.equal(fp8.block_scales(amax.to(device), True).cpu(), fp8.block_scales(amax, True)), device
+
+
 def test_activation_groups_per_token():
     g = torch.Generator().manual_seed(1)
     x = torch.randn(3, 2, 16, generator=g) * 5

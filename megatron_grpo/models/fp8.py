@@ -55,8 +55,10 @@ class Fp8Recipe:
 
 
 def block_scales(amax: torch.Tensor, pow2: bool) -> torch.Tensor:
-    """fp32 dequantization scales (``weight_scale_inv``) from per-block absolute maxima."""
-    scale = amax.float() / E4M3_MAX
+    """fp32 dequantization scales (``weight_scale_inv``) from per-block absolute maxima. The divisor is a
+    tensor: CUDA turns division by a Python scalar into multiplication by its reciprocal, 1 ulp off true
+    division (vLLM's kernels) for about half of all bf16 amax values; tensor / tensor divides on every device."""
+    scale = amax.float() / torch.full((), E4M3_MAX, dtype=torch.float32, device=amax.device)
     if pow2:
         scale = torch.exp2(torch.ceil(torch.log2(scale)))
     return torch.where(amax == 0, torch.ones_like(scale), scale)
