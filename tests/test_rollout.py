@@ -1,5 +1,6 @@
 """vLLM rollout engine: log-probs vs transformers per dtype, weight push + parity probe (TP=1/2), staleness."""
 
+import json
 import os
 import warnings
 
@@ -317,6 +318,11 @@ def test_server_on_another_host_gloo_push_from_two_stages_parity_and_dead_server
 
     prefix, host = another_host
     model_dir = shutil.copytree(tiny_dense, os.path.join(tempfile.mkdtemp(dir="/var/tmp"), "tiny"))  # not under /tmp
+    with open(os.path.join(model_dir, "generation_config.json")) as f:
+        defaults = json.load(f)
+    with open(os.path.join(model_dir, "generation_config.json"), "w") as f:  # the server's per-request defaults
+        json.dump(dict(defaults, repetition_penalty=2.0, presence_penalty=1.0, frequency_penalty=1.0, min_p=0.2,
+                       temperature=0.6, top_k=20, top_p=0.95), f)
     try:
         engine = VLLMServerEngine(model_dir, torch.float32, max_model_len=128, retry_timeout_s=5,
                                   weight_transfer="gloo", transfer_senders=2, launch_prefix=prefix, launch_host=host,
@@ -347,8 +353,13 @@ def test_server_on_another_host_gloo_push_from_two_stages_parity_and_dead_server
     try:
         assert engine.url.startswith(f"http://{host}:") and engine.num_workers() == 1
         assert engine.transfer.endpoint.master_address == (host[:-1] + "1" if host != "127.0.0.1" else host)
-        rollouts = engine.generate([[5, 6, 7], [8, 9]], 2, Sampling(max_tokens=6, seed=1))
+        rollouts = engine.generate([[5, 6, 7], [8, 9]], 2, Sampling(max_tokens=12, temperature=0.8, seed=1))
         assert len(rollouts) == 4 and all(len(r.logprobs) == len(r.completion_ids) > 0 for r in rollouts)
+        # log_softmax(logits / T), the trainer's: none of the model's generation_config defaults (penalties,
+        # min_p, top-k / top-p) reach the sampled distribution (with them: max |diff| 0.047 here)
+        ref = _hf_completion_logprobs(tiny_dense, rollouts, torch.float32, 0.8)
+        diffs = [abs(a - b) for r, row in zip(rollouts, ref) for a, b in zip(r.logprobs, row)]
+        assert max(diffs) <= TOLERANCE[torch.float32][1], max(diffs)
         probe = ProbeBatch([rollouts.items[0].prompt_ids + rollouts.items[0].completion_ids], [3])
         before = engine.score(probe.sequences, probe.prompt_lens)
         original = load_file(os.path.join(tiny_dense, "model.safetensors"))

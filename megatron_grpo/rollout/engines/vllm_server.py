@@ -47,6 +47,14 @@ from megatron_grpo.rollout.types import GeneratorError, Rollout, RolloutEngine, 
 logger = logging.getLogger(__name__)
 
 
+NEUTRAL_PENALTIES = dict(repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0, min_p=0.0)
+"""Sent with every generation request: the server fills each sampling field a request leaves unset from the
+model's ``generation_config.json`` (``--generation-config auto``, its default; Qwen2.5-7B-Instruct's sets
+``repetition_penalty`` 1.05), and its processed log-probs are then those of the penalised distribution, not the
+``log_softmax(logits / T)`` the trainer computes (measured on the tiny Qwen3, fp32, ``repetition_penalty`` 1.3:
+max |rollout - trainer| log-prob 0.075, against 1e-6 with these values sent)."""
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -226,7 +234,7 @@ class VLLMServerEngine(StagePushEngine, RolloutEngine):
         def one_sample(j: int):
             body = dict(model=self.model_dir, prompt=[list(p) for p in prompt_token_ids], max_tokens=sampling.max_tokens,
                         temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k, logprobs=0,
-                        return_token_ids=True, ignore_eos=sampling.ignore_eos,
+                        **NEUTRAL_PENALTIES, return_token_ids=True, ignore_eos=sampling.ignore_eos,
                         stop_token_ids=None if sampling.ignore_eos else list(sampling.stop_token_ids) or None,
                         seed=None if sampling.seed is None else sampling.seed + j)
             return self._post("/v1/completions", body)["choices"]
