@@ -3,8 +3,9 @@
 Megatron's DDP and ``finalize_model_grads`` reduce the gradients and its optimizer computes the
 grad norm; this module only adds what Megatron has no function for: the cosine between the
 actual gradient and another one (``grad/cos_clean``). Tensor-parallel duplicates are counted
-once and shards summed over the model-parallel ranks (experts over the expert model-parallel
-ranks). It needs the full reduced gradient on every rank (not the distributed optimizer's
+once, as is a tied embedding under pipeline parallelism (the last stage's output-layer copy is
+tagged ``shared``: Megatron's ``param_is_not_shared``), and shards summed over the model-parallel
+ranks (experts over the expert model-parallel ranks). It needs the full reduced gradient on every rank (not the distributed optimizer's
 reduce-scattered shards; the config refuses that combination).
 """
 
@@ -28,6 +29,8 @@ def model_sum(params: List[torch.nn.Parameter], per_param) -> torch.Tensor:
     device = params[0].device if params else None
     dense, expert = (torch.zeros((), dtype=torch.float64, device=device) for _ in range(2))
     for i, p in enumerate(params):
+        if getattr(p, "shared", False):  # the last stage's copy of the tied embedding: counted on the first
+            continue
         if not getattr(p, "tensor_model_parallel", False) and (etp_rank if _is_expert(p) else tp_rank) != 0:
             continue
         value = per_param(i, p).double()
