@@ -353,8 +353,13 @@ def test_server_on_another_host_gloo_push_from_two_stages_parity_and_dead_server
     try:
         assert engine.url.startswith(f"http://{host}:") and engine.num_workers() == 1
         assert engine.transfer.endpoint.master_address == (host[:-1] + "1" if host != "127.0.0.1" else host)
-        rollouts = engine.generate([[5, 6, 7], [8, 9]], 2, Sampling(max_tokens=12, temperature=0.8, seed=1))
-        assert len(rollouts) == 4 and all(len(r.logprobs) == len(r.completion_ids) > 0 for r in rollouts)
+        rollouts = engine.generate([[5, 6, 7], [8, 9], [5, 6, 7]], 2, Sampling(max_tokens=12, temperature=0.8, seed=1))
+        assert len(rollouts) == 6 and all(len(r.logprobs) == len(r.completion_ids) > 0 for r in rollouts)
+        assert [r.prompt_index for r in rollouts] == [0, 0, 1, 1, 2, 2]
+        # each (prompt, sample) its own seed (seed + p * n + i, the offline engine's): a prompt repeated in a
+        # step draws another group (with one seed per sample over every prompt: the same group)
+        groups = [[tuple(r.completion_ids) for r in rollouts.items[2 * p:2 * p + 2]] for p in range(3)]
+        assert groups[0] != groups[2] and groups[0][0] != groups[0][1], groups
         # log_softmax(logits / T), the trainer's: none of the model's generation_config defaults (penalties,
         # min_p, top-k / top-p) reach the sampled distribution (with them: max |diff| 0.047 here)
         ref = _hf_completion_logprobs(tiny_dense, rollouts, torch.float32, 0.8)

@@ -231,20 +231,23 @@ class VLLMServerEngine(StagePushEngine, RolloutEngine):
             time.sleep(min(2.0, 0.2 * attempts))
 
     def generate(self, prompt_token_ids: Sequence[Sequence[int]], n: int, sampling: Sampling) -> Rollouts:
-        def one_sample(j: int):
-            body = dict(model=self.model_dir, prompt=[list(p) for p in prompt_token_ids], max_tokens=sampling.max_tokens,
+        """One request per prompt with vLLM's ``n``: vLLM seeds its i-th sample ``seed + i``, so sample i of
+        prompt p draws with ``seed + p * n + i``, the offline engine's scheme (a request per sample over
+        every prompt would give each prompt the same noise, and a prompt repeated in a step the same group)."""
+        def one_prompt(p: int):
+            body = dict(model=self.model_dir, prompt=list(prompt_token_ids[p]), n=n, max_tokens=sampling.max_tokens,
                         temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k, logprobs=0,
                         **NEUTRAL_PENALTIES, return_token_ids=True, ignore_eos=sampling.ignore_eos,
                         stop_token_ids=None if sampling.ignore_eos else list(sampling.stop_token_ids) or None,
-                        seed=None if sampling.seed is None else sampling.seed + j)
-            return self._post("/v1/completions", body)["choices"]
+                        seed=None if sampling.seed is None else sampling.seed + p * n)
+            return sorted(self._post("/v1/completions", body)["choices"], key=lambda c: c["index"])
 
-        with ThreadPoolExecutor(max_workers=min(n, 16)) as pool:
-            per_sample = list(pool.map(one_sample, range(n)))
+        with ThreadPoolExecutor(max_workers=max(1, min(len(prompt_token_ids), 64))) as pool:
+            per_prompt = list(pool.map(one_prompt, range(len(prompt_token_ids))))
         items = []
-        for p, prompt in enumerate(prompt_token_ids):
-            for j in range(n):
-                choice = next(c for c in per_sample[j] if c["index"] == p)
+        for p, (prompt, choices) in enumerate(zip(prompt_token_ids, per_prompt)):
+            assert len(choices) == n, f"vLLM server returned {len(choices)} samples for prompt {p}, asked for {n}"
+            for choice in choices:
                 ids = list(choice["token_ids"])
                 items.append(Rollout(prompt_index=p, prompt_ids=list(prompt), completion_ids=ids,
                                      logprobs=list(choice["logprobs"]["token_logprobs"])[: len(ids)],
