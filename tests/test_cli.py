@@ -35,9 +35,13 @@ def two_runs(tmp_path):
     return matched, mismatch
 
 
-def test_doctor_command_exit_code_and_verdict(two_runs, capsys):
+def test_doctor_command_exit_code_and_verdict(two_runs, capsys, monkeypatch):
     matched, mismatch = two_runs
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
     assert main(["doctor", matched]) == 0
+    assert os.environ["OMP_WAIT_POLICY"] == "PASSIVE"  # every command: idle OpenMP threads sleep (cli.main)
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    assert main(["doctor", matched]) == 0 and os.environ["OMP_WAIT_POLICY"] == "ACTIVE"  # a user's setting stays
     assert "healthy" in capsys.readouterr().out
     assert main(["doctor", mismatch]) == 1
     out = capsys.readouterr().out
