@@ -457,6 +457,34 @@ def test_all_equal_reward_groups_get_exactly_zero_advantage(value, estimator):
     assert adv[8:].abs().min() > 0.1
 
 
+def test_advantages_match_the_peers_formulas():
+    """The guide's names: grpo = verl's (r - mean) / (unbiased std + 1e-6), dr_grpo = r - mean, rloo = r minus
+    the mean of the other members (verl's rloo, NeMo-RL's leave-one-out), from Python's statistics module;
+    G = 1 gives 0 (as NeMo-RL; verl has no baseline there) and rloo refuses it."""
+    import random
+    import statistics
+
+    from megatron_grpo.loss import ADVANTAGE_ESTIMATORS
+
+    rng = random.Random(0)
+    rewards = [float(rng.random() < 0.4) for _ in range(16)] + [rng.gauss(0.0, 3.0) for _ in range(16)]
+    groups = [rewards[i:i + 8] for i in range(0, len(rewards), 8)]
+    expected = {
+        "grpo": [(r - statistics.mean(g)) / (statistics.stdev(g) + 1e-6) if len(set(g)) > 1 else 0.0
+                 for g in groups for r in g],
+        "dr_grpo": [r - statistics.mean(g) for g in groups for r in g],
+        "rloo": [r - statistics.mean(g[:i] + g[i + 1:]) for g in groups for i, r in enumerate(g)],
+    }
+    for name, ref in expected.items():
+        adv = ADVANTAGE_ESTIMATORS.get(name)(torch.tensor(rewards, dtype=torch.float64), 8)
+        torch.testing.assert_close(adv, torch.tensor(ref, dtype=torch.float64), rtol=1e-12, atol=1e-12)
+    single = torch.tensor([0.1, 0.3])
+    for name in ("grpo", "dr_grpo"):
+        assert torch.equal(ADVANTAGE_ESTIMATORS.get(name)(single, 1), torch.zeros(2, dtype=torch.float64))
+    with pytest.raises(ValueError, match="group_size >= 2"):
+        ADVANTAGE_ESTIMATORS.get("rloo")(single, 1)
+
+
 # ---- data parallel + micro-batches == one process ---------------------------------------------------
 
 CONFIGS = [LossConfig(), LossConfig(ratio="shadow", aggregation="seq_mean_token_mean"),
