@@ -139,6 +139,15 @@ def test_diagnostics_every_is_checked():
         from_dict(Config, {"grpo": {"diagnostics_every": 0}})
 
 
+@pytest.mark.parametrize("estimator", ["grpo", "dr_grpo", "rloo"])
+def test_a_group_of_one_completion_is_refused_naming_the_key(estimator):
+    """grpo / dr_grpo give a group of one advantage 0 (nothing learned, silently), rloo has no baseline: the
+    recipe is refused before any model loads."""
+    with pytest.raises(ValueError, match=rf"grpo.num_generations_per_prompt=1: grpo.advantage_estimator={estimator}"):
+        from_dict(Config, {"grpo": {"num_generations_per_prompt": 1, "advantage_estimator": estimator}})
+    assert from_dict(Config, {"grpo": {"num_generations_per_prompt": 2}}).grpo.num_generations_per_prompt == 2
+
+
 def test_precision_defaults_are_matched_and_mismatch_warns(caplog):
     p = PrecisionConfig(compute_dtype="bfloat16")
     assert p.generation_dtype == p.shadow_dtype == "bfloat16" and not p.needs_shadow

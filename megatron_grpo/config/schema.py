@@ -184,7 +184,7 @@ class GRPOConfig:
     num_prompts_per_step: int = 8
     """Prompts per step."""
     num_generations_per_prompt: int = 8
-    """Completions per prompt (the group size)."""
+    """Completions per prompt (the group size, >= 2: the advantage compares a prompt's completions)."""
     max_num_steps: int = 20
     """Steps to run."""
     seed: int = 42
@@ -217,6 +217,11 @@ class GRPOConfig:
         for key in ("num_prompts_per_step", "num_generations_per_prompt", "max_num_steps", "max_consecutive_skips"):
             if getattr(self, key) < 1:
                 raise ValueError(f"grpo.{key} must be >= 1, got {getattr(self, key)}")
+        if self.num_generations_per_prompt < 2:  # a group of one: the group-relative baseline is the sample itself
+            raise ValueError(f"grpo.num_generations_per_prompt={self.num_generations_per_prompt}: "
+                             f"grpo.advantage_estimator={self.advantage_estimator} compares a prompt's completions "
+                             "with each other, so a group of one has advantage 0 (grpo, dr_grpo: nothing is learned) "
+                             "or none (rloo); use >= 2")
 
 
 @dataclass
