@@ -40,3 +40,23 @@ def test_synthetic_prompts_and_resumable_sampler(tiny_dense):
     b = PromptSampler(prompts, seed=1, position=7)
     assert b.next(7) == first[7:]
     assert sorted(map(tuple, first[:10])) == sorted(map(tuple, prompts))  # an epoch covers every prompt once
+
+
+def test_seeds_do_not_share_epoch_orders():
+    """Every (seed, epoch) draws its own order: with ``Random(seed + epoch)`` seed 1's first epoch was seed 0's
+    second (two seeds of a study trained on one prompt sequence, shifted by an epoch). Epoch 0 stays the
+    stdlib's ``Random(seed).shuffle`` (runs within one epoch are unchanged)."""
+    import random
+
+    prompts = [[i] for i in range(32)]
+    orders = {}
+    for seed in range(4):
+        drawn = [p[0] for p in PromptSampler(prompts, seed).next(4 * 32)]
+        for epoch in range(4):
+            order = drawn[32 * epoch: 32 * (epoch + 1)]
+            assert sorted(order) == list(range(32))  # each epoch covers every prompt once
+            orders[(seed, epoch)] = tuple(order)
+        reference = list(range(32))
+        random.Random(seed).shuffle(reference)
+        assert list(orders[(seed, 0)]) == reference
+    assert len(set(orders.values())) == len(orders), "two (seed, epoch) pairs share a prompt order"

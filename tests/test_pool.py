@@ -314,6 +314,43 @@ def test_an_async_run_resumed_from_its_checkpoint_trains_on_the_generations_that
     assert old != straight.seen[2:] and {v for _, _, v in old[0]} == {2}
 
 
+def test_a_checkpoint_after_a_generator_restart_keeps_the_planned_prompts_of_the_cleared_generation(
+        tmp_path, arm_faults):
+    """max_staleness = 1, the generator killed during step 2's weight push: its restart clears step 3's
+    generation in flight (submitted before step 2 trained), whose prompts and seeds stay planned and the saved
+    data position has passed. The checkpoint after step 2 keeps them (without rollouts), so the resumed run's
+    step 3 regenerates the uninterrupted run's prompts with the same seeds (the fakes' completion ids are the
+    sampling seeds), at the resumed weights' version, as the live run does. Before, nothing was saved and step 3
+    trained on step 4's prompts: one batch of prompts skipped."""
+    import io
+
+    straight = _loop_over_fake_engines(tmp_path / "straight", 4, max_restarts=0, staleness=1)
+    assert straight.train() == 0
+    arm_faults("push:2")
+    first = _loop_over_fake_engines(tmp_path / "first", 4, max_restarts=1, staleness=1)
+    first.cfg.checkpointing.checkpoint_dir, first.cfg.checkpointing.save_period = str(tmp_path / "ck"), 1
+    saved = []
+
+    def save():
+        buffer = io.BytesIO()
+        torch.save({"in_flight": first.in_flight_state()}, buffer)
+        buffer.seek(0)
+        saved.append(torch.load(buffer, weights_only=True)["in_flight"])
+
+    first.save, first.stop_requested = save, lambda: first.step >= 2
+    first.train()
+    assert first.seen == straight.seen[:2] and first.built == [0, 0]  # the restart after the killed push
+    assert [(g["step"], g["prompts"], g["rollouts"]) for g in saved[-1]] == [(2, [[4], [5]], None)]
+    again = _loop_over_fake_engines(tmp_path / "again", 4, max_restarts=0, staleness=1)
+    again.step, again.version, again.ctx.sampler.drawn = first.step, first.version, first.ctx.sampler.drawn
+    again.push_weights(probe=False)
+    again.restore_in_flight(saved[-1])
+    assert again.train() == 0
+    assert [[(p, ids) for p, ids, _ in step] for step in again.seen] == \
+        [[(p, ids) for p, ids, _ in step] for step in straight.seen[2:]]
+    assert [{v for _, _, v in step} for step in again.seen] == [{2}, {2}]  # regenerated at the resumed weights
+
+
 # ---- vLLM: one tiny training run, then a shared 2-engine pool -------------------------------------------------
 
 pytest_vllm = pytest.mark.vllm

@@ -104,8 +104,19 @@ def _check_prompt(ids: List[int], where: str, vocab_size: int, max_model_len: Op
                          f"generation.max_model_len={max_model_len}")
 
 
+def epoch_order(num_prompts: int, seed: int, epoch: int) -> List[int]:
+    """The prompt order of one epoch: a shuffle seeded by (seed, epoch). Epoch 0 keeps ``Random(seed)``
+    (runs within one epoch draw what they always drew); later epochs seed with the string ``"seed:epoch"``,
+    so that no two (seed, epoch) pairs share an order (``Random(seed + epoch)`` gave seed s+1 seed s's
+    orders one epoch earlier: the seeds of a study drew the same prompt sequence, shifted by an epoch)."""
+    order = list(range(num_prompts))
+    random.Random(seed if epoch == 0 else f"{seed}:{epoch}").shuffle(order)
+    return order
+
+
 class PromptSampler:
-    """Serves prompts epoch by epoch in a seeded shuffled order; ``position`` makes it resumable."""
+    """Serves prompts epoch by epoch in a seeded shuffled order (``epoch_order``); ``position`` makes it
+    resumable."""
 
     def __init__(self, prompts: List[List[int]], seed: int, position: int = 0):
         self.prompts, self.seed, self.position = prompts, seed, position
@@ -114,8 +125,6 @@ class PromptSampler:
         out = []
         for _ in range(count):
             epoch, index = divmod(self.position, len(self.prompts))
-            order = list(range(len(self.prompts)))
-            random.Random(self.seed + epoch).shuffle(order)
-            out.append(self.prompts[order[index]])
+            out.append(self.prompts[epoch_order(len(self.prompts), self.seed, epoch)[index]])
             self.position += 1
         return out

@@ -21,17 +21,21 @@ logger = logging.getLogger(__name__)
 
 def collect(pending: Deque, planned: Dict[int, tuple], engine, step: int) -> Tuple[Deque, List[dict]]:
     """Rank 0, at a save after ``step`` steps: the handles in ``pending`` (for step indices step, step+1, ...)
-    collected now (they stay queued, as ``Collected``) and as plain data (loadable with ``weights_only=True``).
-    A generator failing here: nothing is saved in flight and the queue is emptied (the next steps regenerate
-    them, as after any generator failure)."""
+    collected now (they stay queued, as ``Collected``) and, as plain data (loadable with ``weights_only=True``),
+    every planned step from ``step`` on: its prompts and sampling, with its rollouts where collected. A planned
+    step without a handle (its generation failed or was cleared by a generator restart; the live run regenerates
+    it with the same prompts and seeds) is saved with ``rollouts`` None, so a resumed run regenerates those
+    prompts too instead of skipping them (the saved data position is past them). A generator failing here: no
+    rollouts are saved and the queue is emptied (the next steps regenerate them, as after any generator failure)."""
     try:
         done = collections.deque(h if isinstance(h, Collected) else Collected(engine.collect(h)) for h in pending)
     except GeneratorError as exc:
         logger.warning("collecting the generations in flight for the checkpoint failed (%s); the next steps "
                        "regenerate them", str(exc).splitlines()[0])
-        return collections.deque(), []
-    saved = [{"step": step + i, "prompts": planned[step + i][0], "sampling": dataclasses.asdict(planned[step + i][1]),
-              "rollouts": h.rollouts.to_state()} for i, h in enumerate(done)]
+        done = collections.deque()
+    saved = [{"step": k, "prompts": planned[k][0], "sampling": dataclasses.asdict(planned[k][1]),
+              "rollouts": done[k - step].rollouts.to_state() if k - step < len(done) else None}
+             for k in sorted(planned) if k >= step]
     return done, saved
 
 
@@ -43,5 +47,9 @@ def restore(saved: Optional[List[dict]], max_staleness: int) -> Optional[Tuple[D
             logger.warning("this checkpoint holds no generations in flight (written by an older version): the next "
                            "%d step(s) train on rollouts of the resumed weights", max_staleness)
         return None
-    pending = collections.deque(Collected(Rollouts.from_state(g["rollouts"])) for g in saved)
+    pending = collections.deque()
+    for g in saved:  # the collected generations lead; the steps after the first without rollouts regenerate
+        if g["rollouts"] is None:
+            break
+        pending.append(Collected(Rollouts.from_state(g["rollouts"])))
     return pending, {g["step"]: (g["prompts"], Sampling(**g["sampling"])) for g in saved}
