@@ -239,7 +239,9 @@ class RewardConfig:
     """Reward function."""
 
     name: str = "negative_length"
-    """Registered name (negative_length) or ``module:function`` called with completion ids and texts."""
+    """Registered name (negative_length) or ``module:function`` called with completion ids and texts. The texts
+    keep special tokens (a stopped completion ends with its stop token, e.g. ``<|im_end|>``; verl and TRL strip
+    them: strip them in the function where it matters)."""
     timeout_s: Optional[float] = None
     """A reward call longer than this stops the run naming the function and the step. null: no limit on one
     process; with several ranks 90% of ``cluster.distributed_timeout_minutes`` (the others wait in a collective)."""

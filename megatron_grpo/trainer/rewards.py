@@ -1,7 +1,8 @@
 """Reward functions: a registry plus ``module:function`` for user code.
 
 A reward function is called as ``fn(completion_ids=[[int]], texts=[str or None],
-prompt_ids=[[int]])`` and returns one finite number per completion.
+prompt_ids=[[int]])`` and returns one finite number per completion. ``texts`` are decoded with special tokens
+kept, so a stopped completion ends with its stop token (verl and TRL strip special tokens).
 """
 
 from __future__ import annotations
