@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 import random
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 _SYNTHETIC = ["Tell me about", "Write one word:", "The answer is", "Say something short.", "Once upon a time",
               "Q: what is two plus two? A:", "Finish the sentence: the sky is", "List three colours:"]
@@ -120,11 +120,15 @@ class PromptSampler:
 
     def __init__(self, prompts: List[List[int]], seed: int, position: int = 0):
         self.prompts, self.seed, self.position = prompts, seed, position
+        self._order: Tuple[int, List[int]] = (-1, [])
+        """(epoch, its order): shuffled once per epoch, not once per prompt drawn."""
 
     def next(self, count: int) -> List[List[int]]:
         out = []
         for _ in range(count):
             epoch, index = divmod(self.position, len(self.prompts))
-            out.append(self.prompts[epoch_order(len(self.prompts), self.seed, epoch)[index]])
+            if self._order[0] != epoch:
+                self._order = (epoch, epoch_order(len(self.prompts), self.seed, epoch))
+            out.append(self.prompts[self._order[1][index]])
             self.position += 1
         return out
