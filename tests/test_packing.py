@@ -152,7 +152,7 @@ def test_packing_attention_scores_and_the_log_line(caplog):
 
 def test_token_budget_groups_and_equal_counts():
     from megatron_grpo.models.packing import group_by_tokens, split_to_count
-    from megatron_grpo.trainer.step import balanced_ranks
+    from megatron_grpo.models.packing import balanced_ranks
 
     groups = group_by_tokens([40, 12, 10, 9, 20, 11, 30, 14], budget=64, multiple=8)
     assert groups == [[0], [6, 4], [7, 1, 5, 2], [3]]
@@ -168,7 +168,7 @@ def test_packed_rows_are_balanced_across_dp_ranks_by_tokens():
     64 tokens, so one rank's rows waited for the other's at the gradient all-reduce); padded rows stay
     contiguous."""
     from megatron_grpo.models.packing import PlanSpec
-    from megatron_grpo.trainer.step import step_rows
+    from megatron_grpo.models.packing import step_rows
 
     lengths = [300, 200, 60, 40, 30, 20, 8, 6]
     assert PlanSpec(packing=True).balances_tokens and PlanSpec(max_tokens=64).balances_tokens
@@ -323,7 +323,7 @@ def _rank(model_dir, layout, modes, routes):
     from megatron.core import parallel_state as ps
 
     from megatron_grpo.parallel import state
-    from megatron_grpo.trainer.step import balanced_ranks
+    from megatron_grpo.models.packing import balanced_ranks
 
     state.initialize_model_parallel(state.Layout(**layout))
     dp, r = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()

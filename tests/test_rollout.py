@@ -201,6 +201,25 @@ def test_delta_push_leaves_the_engine_bit_identical_to_a_dense_push(transport, t
         assert ours_delta == ours_dense and ours_delta  # the probe's trainer-side checksums: as a dense push's
 
 
+def test_server_replies_are_checked_sample_by_sample(monkeypatch):
+    """A server reply with too few samples for a prompt is an error naming the server and the prompt (an
+    ``assert`` vanishes under ``python -O``), not a batch whose groups silently shift by one."""
+    from megatron_grpo.rollout.engines.vllm_server import VLLMServerEngine
+
+    engine = object.__new__(VLLMServerEngine)
+    engine.url, engine.model_dir, engine.policy_version = "http://10.0.0.7:8000", "m", 0
+
+    def reply(path, body):
+        k = 1 if body["prompt"] == [8, 9] else body["n"]
+        return {"choices": [dict(index=i, token_ids=[3], logprobs=dict(token_logprobs=[-0.5]), finish_reason="stop")
+                            for i in range(k)]}
+
+    monkeypatch.setattr(engine, "_post", reply)
+    assert len(engine.generate([[5, 6, 7]], 2, Sampling(max_tokens=4, seed=1))) == 2
+    with pytest.raises(ValueError, match=r"vLLM server http://10.0.0.7:8000 returned 1 samples for prompt 1, asked for 2"):
+        engine.generate([[5, 6, 7], [8, 9]], 2, Sampling(max_tokens=4, seed=1))
+
+
 def test_staleness_gate_never_accepts_two_versions_old():
     gate = StalenessGate(1)
     assert gate.accept(4, 4) and gate.accept(3, 4)

@@ -168,6 +168,10 @@ def test_batch_checks_run_on_the_whole_batch(tiny_dense):
         build_step_batch(rollouts([], []), adv, 0, 2, 0, step=3)
     with pytest.raises(ValueError, match="step 3: the generator returned 4 non-finite"):
         build_step_batch(rollouts([7], [float("-inf")]), adv, 0, 2, 0, step=3)
+    for logprobs in ([], [-1.0, -2.0]):  # a token without its log-prob, a log-prob without its token
+        with pytest.raises(ValueError, match=rf"step 3: the generator returned {len(logprobs)} log-probs for the 1 "
+                                             r"tokens of completion 0 \(prompt 0\)"):
+            build_step_batch(rollouts([7], logprobs), adv, 0, 2, 0, step=3)
 
 
 @pytest.mark.parametrize("params_dtype", ["float32", "float16"])

@@ -122,7 +122,7 @@ class PlanSpec:
     @property
     def balances_tokens(self) -> bool:
         """Token-budget and packed plans: data-parallel ranks get sequences balanced by tokens (equal
-        counts; ``trainer.step.balanced_ranks``), so that no rank's rows wait at the gradient all-reduce."""
+        counts; ``balanced_ranks``), so that no rank's rows wait at the gradient all-reduce."""
         return self.packing or self.max_tokens is not None
 
 
@@ -337,3 +337,25 @@ def log_packing_cost(plan: Sequence[MicroBatch], padded_shape: Tuple[int, int]) 
 def computed_tokens(plan: Sequence[MicroBatch]) -> int:
     """Tokens the model computes for a plan (padding included)."""
     return sum(mb.num_computed_tokens for mb in plan)
+
+
+def step_rows(lengths: Sequence[int], dp_rank: int, dp_size: int, balance_tokens: bool = False):
+    """This DP rank's sequences of a step (``lengths``: each one's tokens): a contiguous slice, or with
+    ``balance_tokens`` (``PlanSpec.balances_tokens``) the indices ``balanced_ranks`` gives it."""
+    if balance_tokens and dp_size > 1:
+        return torch.tensor(balanced_ranks(lengths, dp_size)[dp_rank], dtype=torch.long)
+    rows = len(lengths) // dp_size
+    return slice(dp_rank * rows, (dp_rank + 1) * rows)
+
+
+def balanced_ranks(lengths: Sequence[int], dp_size: int) -> List[List[int]]:
+    """Sequence indices per DP rank: equal counts, tokens balanced greedily (longest first to the
+    least-loaded rank that still has room), each rank's indices in order."""
+    per_rank = len(lengths) // dp_size
+    ranks: List[List[int]] = [[] for _ in range(dp_size)]
+    loads = [0] * dp_size
+    for i in sorted(range(per_rank * dp_size), key=lambda i: -lengths[i]):
+        r = min((r for r in range(dp_size) if len(ranks[r]) < per_rank), key=lambda r: loads[r])
+        ranks[r].append(i)
+        loads[r] += lengths[i]
+    return [sorted(r) for r in ranks]

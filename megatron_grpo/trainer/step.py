@@ -46,6 +46,7 @@ from megatron_grpo.models.packing import (
     plan_groups,
     plan_shapes,
     split_to_count,
+    step_rows,
 )
 from megatron_grpo.models.routing import Routing, generator_routes, select_layers
 from megatron_grpo.parallel import comm
@@ -79,12 +80,14 @@ def build_step_batch(rollouts: Rollouts, advantages: torch.Tensor, dp_rank: int,
 
     Checks that need every rank to agree run here, on the whole batch that every rank holds, so
     that all ranks raise together (never one rank inside the schedule's collectives): a batch
-    without any valid completion token, or non-finite generator log-probs / advantages.
+    without any valid completion token, a completion whose log-probs do not match its tokens one to one,
+    or non-finite generator log-probs / advantages.
     Advantages stay float64 (the loss casts them). ``balance_tokens`` (``PlanSpec.balances_tokens``: token
     budgets or packing): each DP rank gets the same number of sequences, chosen to balance tokens, instead
     of contiguous rows."""
     seqs = [r.prompt_ids + r.completion_ids for r in rollouts]
     prompt_lens = [len(r.prompt_ids) for r in rollouts]
+    _check_log_prob_counts(rollouts, step)
     packed = pack(seqs, prompt_lens, pad_id)
     old = torch.zeros(packed.labels.shape, dtype=torch.float32)
     for i, r in enumerate(rollouts):
@@ -97,26 +100,13 @@ def build_step_batch(rollouts: Rollouts, advantages: torch.Tensor, dp_rank: int,
                      packed.mask.any(-1).sum().double(), None if routes is None else routes[sl])
 
 
-def step_rows(lengths: Sequence[int], dp_rank: int, dp_size: int, balance_tokens: bool = False):
-    """This DP rank's sequences of a step (``lengths``: each one's tokens): a contiguous slice, or with
-    ``balance_tokens`` (``PlanSpec.balances_tokens``) the indices ``balanced_ranks`` gives it."""
-    if balance_tokens and dp_size > 1:
-        return torch.tensor(balanced_ranks(lengths, dp_size)[dp_rank], dtype=torch.long)
-    rows = len(lengths) // dp_size
-    return slice(dp_rank * rows, (dp_rank + 1) * rows)
-
-
-def balanced_ranks(lengths: Sequence[int], dp_size: int) -> List[List[int]]:
-    """Sequence indices per DP rank: equal counts, tokens balanced greedily (longest first to the
-    least-loaded rank that still has room), each rank's indices in order."""
-    per_rank = len(lengths) // dp_size
-    ranks: List[List[int]] = [[] for _ in range(dp_size)]
-    loads = [0] * dp_size
-    for i in sorted(range(per_rank * dp_size), key=lambda i: -lengths[i]):
-        r = min((r for r in range(dp_size) if len(ranks[r]) < per_rank), key=lambda r: loads[r])
-        ranks[r].append(i)
-        loads[r] += lengths[i]
-    return [sorted(r) for r in ranks]
+def _check_log_prob_counts(rollouts: Rollouts, step: int) -> None:
+    """One generator log-prob per sampled token: a shorter list would leave 0.0 (probability one) as the
+    old log-prob of the tokens it misses, a longer one would shift onto the next sequence's padding."""
+    for i, r in enumerate(rollouts):
+        if len(r.logprobs) != len(r.completion_ids):
+            raise ValueError(f"step {step}: the generator returned {len(r.logprobs)} log-probs for the "
+                             f"{len(r.completion_ids)} tokens of completion {i} (prompt {r.prompt_index})")
 
 
 def _check_whole_batch(packed: PackedBatch, old: torch.Tensor, advantages: torch.Tensor, step: int) -> None:

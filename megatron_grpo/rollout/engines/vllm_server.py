@@ -246,7 +246,8 @@ class VLLMServerEngine(StagePushEngine, RolloutEngine):
             per_prompt = list(pool.map(one_prompt, range(len(prompt_token_ids))))
         items = []
         for p, (prompt, choices) in enumerate(zip(prompt_token_ids, per_prompt)):
-            assert len(choices) == n, f"vLLM server returned {len(choices)} samples for prompt {p}, asked for {n}"
+            if len(choices) != n:
+                raise ValueError(f"vLLM server {self.url} returned {len(choices)} samples for prompt {p}, asked for {n}")
             for choice in choices:
                 ids = list(choice["token_ids"])
                 items.append(Rollout(prompt_index=p, prompt_ids=list(prompt), completion_ids=ids,
