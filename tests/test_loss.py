@@ -287,6 +287,7 @@ def _np_metrics(lp, old, shadow, adv, mask, eps_lo=0.2, eps_hi=0.2):
     alpha = [s - o for _, o, s, _ in toks]
     advs = [t[3] for t in toks]
     mean = lambda xs: sum(xs) / len(xs) if xs else 0.0  # noqa: E731
+    nan_mean = lambda xs: sum(xs) / len(xs) if xs else math.nan  # noqa: E731  (a bucket without tokens)
     bm, am = mean(beta), mean(advs)
     bstd = math.sqrt(mean([(b - bm) ** 2 for b in beta]))
     astd = math.sqrt(mean([(a - am) ** 2 for a in advs]))
@@ -301,9 +302,9 @@ def _np_metrics(lp, old, shadow, adv, mask, eps_lo=0.2, eps_hi=0.2):
         "precision/beta_std": bstd,
         "precision/beta_abs_max": max(abs(b) for b in beta),
         "precision/beta_adv_corr": mean([(b - bm) * (a - am) for b, a in zip(beta, advs)]) / (bstd * astd),
-        "precision/beta_abs_mean_common": mean([abs(b) for b, o in zip(beta, olds) if o > -5]),
-        "precision/beta_abs_mean_medium": mean([abs(b) for b, o in zip(beta, olds) if -20 < o <= -5]),
-        "precision/beta_abs_mean_rare": mean([abs(b) for b, o in zip(beta, olds) if o <= -20]),
+        "precision/beta_abs_mean_common": nan_mean([abs(b) for b, o in zip(beta, olds) if o > -5]),
+        "precision/beta_abs_mean_medium": nan_mean([abs(b) for b, o in zip(beta, olds) if -20 < o <= -5]),
+        "precision/beta_abs_mean_rare": nan_mean([abs(b) for b, o in zip(beta, olds) if o <= -20]),
         "precision/alpha_abs_mean": mean([abs(a) for a in alpha]),
         "precision/snr": mean([abs(a) for a in alpha]) / max(mean([abs(b) for b in beta]), 1e-12),
         "clip/region_fraction": sum(out_region(r) for r in act) / n,
@@ -325,6 +326,13 @@ def test_precision_and_clip_metrics_match_reference():
         assert metrics[name].item() == pytest.approx(value, abs=1e-5), name
     assert expected["clip/phantom_region_fraction"] > 0 and expected["clip/rescued_region_fraction"] > 0
     assert expected["clip/legit_region_fraction"] > 0
+    # no rare token (every rollout log-prob above -20): the rare bucket is empty, NaN (null in metrics.jsonl), not 0
+    old2 = old * 0.6  # rollout log-probs in (-18, 0]; the same alpha and beta
+    common = (old2 + (lp - old), old2, old2 + (shadow - old))
+    _, metrics = policy_loss(common[0], common[1], adv, mask, LossConfig(), shadow_log_probs=common[2])
+    expected = _np_metrics(*common, adv, mask)
+    assert math.isnan(expected["precision/beta_abs_mean_rare"]) and math.isnan(metrics["precision/beta_abs_mean_rare"])
+    assert metrics["precision/beta_abs_mean_medium"].item() == pytest.approx(expected["precision/beta_abs_mean_medium"])
 
 
 def test_without_shadow_only_actual_metrics():

@@ -230,8 +230,10 @@ def _precision_metrics(sums, maxes, n) -> Dict[str, torch.Tensor]:
         "precision/snr": torch.where(beta_abs_mean > 0, alpha_abs_mean / beta_abs_mean.clamp(min=1e-300),
                                      torch.full_like(beta_abs_mean, float("nan"))),
     }
-    for name in ("common", "medium", "rare"):
-        out[f"precision/beta_abs_mean_{name}"] = _safe_div(sums[f"beta_abs_{name}"], sums[f"n_{name}"])
+    for name in ("common", "medium", "rare"):  # NaN (null) for a bucket without tokens: not a gap of 0
+        num, den = sums[f"beta_abs_{name}"], sums[f"n_{name}"]
+        out[f"precision/beta_abs_mean_{name}"] = torch.where(den > 0, num / den.clamp(min=1e-300),
+                                                             torch.full_like(num, float("nan")))
     if "gap_in_ratio_abs" in sums:  # ratio: gap_scaled (the research knob): the gap the clip sees, k * beta
         gap = _safe_div(sums["gap_in_ratio_abs"], n)
         out["precision/gap_in_ratio_abs_mean"] = gap

@@ -279,13 +279,13 @@ autocast (beta = 0), read as ~12.5 pp phantom; |beta| 0.076 over its run, ~0.02 
 
 def _bucket_mean(rows: List[dict], metric: str, where: str) -> Optional[float]:
     """Mean over steps 1-3 of a gap metric; for a rarity bucket, a step whose bucket held no token is left out
-    (the logger writes 0 for an empty bucket: read as empty where the step's overall mean |beta| is > 0).
-    None when no step had a token in it."""
+    (the logger writes null for an empty bucket; before 2026-12-07 it wrote 0: read as empty where the step's
+    overall mean |beta| is > 0). None when no step had a token in it."""
     vals = []
     for step in (1, 2, 3):
         v = value(rows, metric, step, where)
-        if not (metric != "precision/beta_abs_mean" and v == 0
-                and value(rows, "precision/beta_abs_mean", step, where) > 0):
+        if not math.isnan(v) and not (metric != "precision/beta_abs_mean" and v == 0
+                                      and value(rows, "precision/beta_abs_mean", step, where) > 0):
             vals.append(v)
     return statistics.fmean(vals) if vals else None
 
