@@ -138,7 +138,7 @@ def test_layers_kept_in_bf16():
     assert list(fp8.quantized_layer_ids(6, recipe)) == [1, 2, 3]
 
 
-def test_fp8_forward_patches_the_decoder_linears_only_and_restores_them(tiny_dense, megatron_single):
+def test_fp8_forward_patches_the_decoder_linears_only_and_restores_them(tiny_dense, megatron_single, monkeypatch):
     from megatron_grpo.models import build_from_hf, forward_logits, unwrap
 
     model, _ = build_from_hf(tiny_dense)
@@ -176,6 +176,16 @@ def test_fp8_forward_patches_the_decoder_linears_only_and_restores_them(tiny_den
         gpt.decoder.layers[1].self_attention.linear_qkv.weight, (32, 32))[0].view(torch.uint8))
     gap_fp8, gap_bf16 = (quantized.float() - plain).abs().mean(), (bf16.float() - plain).abs().mean()
     assert gap_fp8 > 2 * gap_bf16 > 0
+    # fp32 weights: the shadow's forward dequantizes each linear when it runs (never all at once); the megatron
+    # generator's decode loop holds them from entry; both compute the same bits
+    dequantized, dequantize = [], fp8.dequantize_weight
+    monkeypatch.setattr(fp8, "dequantize_weight", lambda q, s: dequantized.append(q.shape) or dequantize(q, s))
+    for hold, at_entry, per_forward in ((False, 0, len(names)), (True, len(names), 0)):
+        dequantized.clear()
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16), fp8.fp8_forward(gpt, recipe, weights, hold):
+            assert len(dequantized) == at_entry
+            assert torch.equal(forward_logits(model, ids), quantized)
+            assert len(dequantized) == at_entry + per_forward
 
 
 # ---- the fp8 precision in the forwards (models/forward.py) ------------------------------------------------------

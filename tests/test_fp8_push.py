@@ -394,4 +394,9 @@ def test_plan_counts_an_fp8_generators_bytes_like_the_push(tiny_dense):
     cfg.policy.precision.shadow_dtype = "fp8"
     fp8_values = sum(t.numel() for t in pushed.values() if t.dtype == FP8_DTYPE)
     scales = sum(t.numel() for n, t in pushed.items() if n.endswith("_scale_inv"))
+    # the shadow dequantizes one linear at a time: the largest, Megatron's fused QKV or fc1 (gate + up)
+    fused = [sum(pushed[f"model.layers.{i}.{m}.weight"].numel() for m in group) for i in range(1, shape.num_layers)
+             for group in (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("mlp.gate_proj", "mlp.up_proj"))]
+    assert memory_plan(cfg, shape, 1).term("FP8 forward weights").bytes == fp8_values + scales * 4 + max(fused) * 4
+    cfg.generation.backend = "megatron"  # its decode loop holds every FP8 linear in fp32
     assert memory_plan(cfg, shape, 1).term("FP8 forward weights").bytes == fp8_values * (1 + 4) + scales * 4

@@ -128,7 +128,10 @@ def test_the_fp8_shadow_feeds_the_loss_and_the_probes(loss, tiny_dense, megatron
     deployed = ((after - before) * sign)[m].mean().item()
     assert metrics["policy/deployed_improvement"] == pytest.approx(deployed, rel=1e-2, abs=1e-8)
     assert abs(deployed) > 1e-4 or metrics["correction/masked_fraction"] == 1.0  # seq_mask_tis: a band of 1e-3
-    assert all(math.isfinite(v) for v in metrics.values())
+    empty = {f"precision/beta_abs_mean_{b}" for b in ("common", "medium", "rare")
+             if not ((old[m] > -5) if b == "common" else (old[m] <= -20) if b == "rare"
+                     else (old[m] > -20) & (old[m] <= -5)).any()}  # buckets by rollout log-prob
+    assert empty and {k for k, v in metrics.items() if not math.isfinite(v)} == empty  # an empty bucket: NaN
 
 
 def test_step_metrics_live_on_the_model_device():

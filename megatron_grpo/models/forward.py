@@ -89,20 +89,21 @@ def precision_context(compute_dtype: torch.dtype, params_dtype: torch.dtype):
 
 
 @contextlib.contextmanager
-def fp8_context(model, precision: torch.dtype,
-                weights: Optional[Dict[str, QuantizedWeight]] = None) -> Iterator[Optional[Dict[str, QuantizedWeight]]]:
+def fp8_context(model, precision: torch.dtype, weights: Optional[Dict[str, QuantizedWeight]] = None,
+                hold_dequantized: bool = False) -> Iterator[Optional[Dict[str, QuantizedWeight]]]:
     """With the fp8 precision, ``model``'s FP8 linears compute the emulated FP8 GEMM (``fp8.fp8_forward``)
     with the model's recipe on ``weights`` (default: this rank's weights, quantized once on entry), and the
     block yields those quantized weights; other precisions: nothing (yields None). Re-entrant: inside an
     active fp8 context of the same model, the outer one's bytes are used (the megatron generator quantizes
-    once per ``generate``: its decode loop and its scoring forward run on the same bytes)."""
+    once per ``generate``: its decode loop and its scoring forward run on the same bytes; ``hold_dequantized``:
+    ``fp8.fp8_forward``'s)."""
     gpt = unwrap(model)
     active = getattr(gpt, "fp8_weights_in_use", None)
     assert active is None or precision == FP8_DTYPE, f"a {precision} forward inside an fp8 forward of the model"
     if precision != FP8_DTYPE or active is not None:
         yield active
         return
-    with fp8_forward(gpt, recipe_of(gpt), weights) as quantized:
+    with fp8_forward(gpt, recipe_of(gpt), weights, hold_dequantized) as quantized:
         gpt.fp8_weights_in_use = quantized
         try:
             yield quantized

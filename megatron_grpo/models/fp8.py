@@ -85,8 +85,8 @@ def dequantize_weight(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """fp32 weight ``q * scale`` from :func:`quantize_weight`'s output (block size read off the shapes)."""
     n, k = q.shape
     rows, cols = scale.shape
-    blocks = q.float().reshape(rows, n // rows, cols, k // cols) * scale[:, None, :, None]
-    return blocks.reshape(n, k)
+    blocks = q.float().reshape(rows, n // rows, cols, k // cols)
+    return blocks.mul_(scale[:, None, :, None]).reshape(n, k)  # in place: one fp32 copy at a time
 
 
 def quantize_activation(x: torch.Tensor, group: int, pow2: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -160,31 +160,36 @@ def quantize_model(gpt_model, recipe: Fp8Recipe) -> Dict[str, QuantizedWeight]:
     return out
 
 
-def _fp8_impl(original, weight_fp32: torch.Tensor, recipe: Fp8Recipe):
+def _fp8_impl(original, quantized: QuantizedWeight, recipe: Fp8Recipe, hold_dequantized: bool):
     """A stand-in for a Megatron linear's ``_forward_impl`` (the GEMM, with the sequence-parallel all-gather
-    that the original does around it) computing the emulated FP8 GEMM."""
+    that the original does around it) computing the emulated FP8 GEMM. The fp32 weight it multiplies is
+    dequantized when the linear runs and freed after (one linear's at a time), or once, held for the block."""
+    held = dequantize_weight(quantized.q, quantized.scale_inv) if hold_dequantized else None
 
     def impl(input, weight, bias=None, *args, **kwargs):  # noqa: A002 (Megatron's keyword names)
         xq = fake_quantize_activation(input, recipe.activation_block_size, recipe.use_activation_pow2_scale)
+        w = held if held is not None else dequantize_weight(quantized.q, quantized.scale_inv)
         with torch.autocast(xq.device.type, enabled=False):
-            out = original(xq, weight_fp32, None, *args, **kwargs).to(OUTPUT_DTYPE)
+            out = original(xq, w, None, *args, **kwargs).to(OUTPUT_DTYPE)
         return out if bias is None else out + bias.to(OUTPUT_DTYPE)
 
     return impl
 
 
 @contextlib.contextmanager
-def fp8_forward(gpt_model, recipe: Fp8Recipe, weights: Optional[Dict[str, QuantizedWeight]] = None):
+def fp8_forward(gpt_model, recipe: Fp8Recipe, weights: Optional[Dict[str, QuantizedWeight]] = None,
+                hold_dequantized: bool = False):
     """Within the block, the FP8 linears of ``gpt_model`` compute the emulated FP8 GEMM on ``weights`` (default:
     this rank's current weights, quantized on entry). No-grad forwards only. The caller provides bf16 around the
-    GEMMs (autocast), as vLLM runs the rest of an fp8 model in bf16."""
+    GEMMs (autocast), as vLLM runs the rest of an fp8 model in bf16. The block holds the e4m3 bytes and scales
+    (~1 B per weight); each linear dequantizes its own weight to fp32 when it runs, unless ``hold_dequantized``
+    (the megatron generator's decode loop, which runs every linear once per token: 4 B per weight more, held)."""
     weights = quantize_model(gpt_model, recipe) if weights is None else weights
     patched: List[Tuple[torch.nn.Module, object]] = []
     try:
         for name, module in fp8_linears(gpt_model, recipe):
-            w, previous = weights[name], module.__dict__.get("_forward_impl")
-            original = module._forward_impl
-            module._forward_impl = _fp8_impl(original, dequantize_weight(w.q, w.scale_inv), recipe)
+            previous = module.__dict__.get("_forward_impl")
+            module._forward_impl = _fp8_impl(module._forward_impl, weights[name], recipe, hold_dequantized)
             patched.append((module, previous))
         yield weights
     finally:

@@ -250,14 +250,26 @@ def fp8_value_bytes(cfg: Config) -> float:
     return 1 + 4 / (bn * bk)
 
 
+def fp8_largest_linear(cfg: Config, shape: ModelShape) -> float:
+    """Elements of this rank's largest FP8 linear (an upper bound: QKV, a dense, shared or expert fc1)."""
+    m, h = cfg.policy.megatron_cfg, shape.hidden_size
+    qkv = h * (shape.num_heads + 2 * shape.num_kv_heads) * shape.head_dim / m.tensor_model_parallel_size
+    return max(qkv, 2 * h * max(shape.ffn_hidden_size, shape.shared_expert_ffn_hidden_size)
+               / m.tensor_model_parallel_size, 2 * h * shape.moe_ffn_hidden_size / m.expert_tensor_parallel_size)
+
+
 def _fp8_forward_term(cfg: Config, shape: ModelShape) -> Term:
     """The FP8 forward (``models.fp8.fp8_forward``: the shadow, the megatron generator, the parity probe's trainer
-    side in fp8) holds, while it runs, this rank's FP8 linears quantized (e4m3 + scales) and dequantized (fp32)."""
-    elements = fp8_local_elements(cfg, shape)
-    return Term("FP8 forward weights", elements * (fp8_value_bytes(cfg) + 4),
+    side in fp8) holds, while it runs, this rank's FP8 linears quantized (e4m3 + scales) and the fp32 weight of
+    the linear running; the megatron fp8 generator holds every one dequantized (its decode loop)."""
+    elements, p = fp8_local_elements(cfg, shape), cfg.policy.precision
+    held = cfg.generation.backend == "megatron" and p.generation_dtype == FP8
+    fp32 = elements if held else fp8_largest_linear(cfg, shape)
+    return Term("FP8 forward weights", elements * fp8_value_bytes(cfg) + fp32 * 4,
                 ("policy.precision.shadow_dtype", "policy.precision.fp8.num_first_layers_in_bf16") + LAYOUT_KEYS
-                + EXPERT_KEYS, f"{elements / 1e9:.3f}B elements of this rank's FP8 linears as e4m3 + scales and as the "
-                "fp32 weights the emulated FP8 GEMM multiplies, during an FP8 forward")
+                + EXPERT_KEYS, f"{elements / 1e9:.3f}B elements of this rank's FP8 linears as e4m3 + scales, and in "
+                + ("fp32 (the megatron generator's decode loop holds them)" if held else
+                   f"fp32 the largest linear's {fp32 / 1e6:.1f}M, dequantized when it runs") + ", during an FP8 forward")
 
 
 def _fp8_forward_runs(cfg: Config) -> bool:

@@ -130,7 +130,9 @@ class MegatronEngine(RolloutEngine):
         prompts = [list(p) for p in prompt_token_ids]
         rows = [_Row(prompts[k // n], torch.Generator().manual_seed(base + k))
                 for k in range(len(prompts) * n)[self._shard(len(prompts) * n)]]
-        with fp8_context(self.model, self.dtype):  # fp8: one quantization for the decode loop and the scoring
+        # fp8: one quantization, its fp32 dequantization held, for the decode loop (every linear runs per token)
+        # and the scoring forward
+        with fp8_context(self.model, self.dtype, hold_dequantized=True):
             with self._inference_mode():
                 for group in _by_prompt_length(rows):
                     self._decode(group, sampling)
