@@ -493,6 +493,123 @@ def test_advantages_match_the_peers_formulas():
         ADVANTAGE_ESTIMATORS.get("rloo")(single, 1)
 
 
+# ---- the names shared with verl / NeMo-RL / TRL, against the peers' code transcribed independently --------
+# verl    volcengine/verl@b178a3cd56f5  verl/trainer/ppo/core_algos.py (compute_policy_loss_vanilla / _gspo / _cispo /
+#         _sapo, agg_loss, kl_penalty_forward "low_var_kl"), verl/trainer/ppo/rollout_corr_helper.py
+#         (compute_rollout_correction_weights, compute_rollout_rejection_mask)
+# NeMo-RL NVIDIA-NeMo/RL@7ea279abfbeb   nemo_rl/algorithms/loss/loss_functions.py (ClippedPGLossFn: tis / icepop /
+#         seq-mask-tis weights)
+# TRL     huggingface/trl@f2cd57710ae3  trl/trainer/grpo_trainer.py (vllm_importance_sampling_mode token_mask /
+#         sequence_mask, clip_min None)
+# Rejection keeps verl's masks; verl then drops the rejected tokens from response_mask (the token-mean denominator),
+# here they stay with weight 0 (the guide says so): the reference divides by every valid token.
+
+def _verl_agg_loss(mat, m, mode):
+    if mode == "token-mean":
+        return (mat * m).sum() / m.sum()
+    n = m.sum(-1)
+    seq = (mat * m).sum(-1) / ((n + 1e-8) if mode == "seq-mean-token-mean" else 1.0)
+    return (seq * (n > 0)).sum() / (n > 0).sum()  # seq-mean: fully masked rows excluded
+
+
+def _verl_policy_loss(family, lp, old, a, m, mode, lo, hi, c=None, w=None):
+    """verl's loss_mode ``vanilla`` (dual clip with c) / ``gspo`` / ``cispo`` / ``sapo`` times the IS weight w."""
+    if family == "gspo":
+        seq = ((lp - old) * m).sum(-1) / m.sum(-1).clamp(min=1)
+        r = torch.exp(torch.clamp(lp - lp.detach() + seq.detach()[:, None], max=10.0))
+    else:
+        r = torch.exp(torch.clamp(lp - old, min=-20.0, max=20.0))
+    if family == "cispo":
+        pg = -torch.clamp(r, 1 - lo, 1 + hi).detach() * a * lp
+    elif family == "sapo":
+        tau = torch.where(a > 0, torch.full_like(a, 1.0), torch.full_like(a, 1.05))
+        pg = -torch.sigmoid(tau * (r - 1.0)) * (4.0 / tau) * a
+    else:
+        pg = torch.maximum(-a * r, -a * torch.clamp(r, 1 - lo, 1 + hi))
+        if c is not None:
+            pg = torch.where(a < 0, torch.min(-a * c, pg), pg)
+    return _verl_agg_loss(pg if w is None else pg * w, m, mode)
+
+
+def _peer_correction(name, lr, m, c):
+    """The weight of correction ``name`` as the peer that owns the name computes it (lr = log pi_old / pi_rollout)."""
+    seq_sum = (lr * m).sum(-1, keepdim=True)
+    if name in ("tis", "seq_tis"):  # verl rollout_is = token / sequence
+        w = torch.exp((lr if name == "tis" else seq_sum).clamp(-20.0, 20.0)).expand_as(lr) * m
+        return w.clamp(max=c["tis_cap"])
+    if name in ("mis", "seq_mis"):  # TRL token_mask / sequence_mask
+        r = torch.exp(lr * m if name == "mis" else seq_sum).expand_as(lr)
+        return r.masked_fill(r > c["tis_cap"], 0.0)
+    r = torch.exp(lr)
+    if name == "icepop":  # NeMo-RL
+        return torch.where((r >= c["icepop_low"]) & (r <= c["icepop_high"]), r, torch.zeros_like(r))
+    if name == "seq_mask_tis":  # NeMo-RL: geometric mean over token_mask, masked_mean's 1e-8
+        geo = torch.exp((lr * m).sum(-1) / (m.sum(-1) + 1e-8))
+        return r * ((geo >= c["seq_mask_low"]) & (geo <= c["seq_mask_high"])).float()[:, None]
+    lr = lr.clamp(-20.0, 20.0)  # verl rollout_rs
+    k = {"k1": -lr, "k2": 0.5 * lr ** 2, "k3": torch.exp(lr) - 1.0 - lr}[name[-2:]]
+    if name.startswith("seq_sum"):
+        k = (k * m).sum(-1, keepdim=True)
+    elif name.startswith("seq_mean"):
+        k = (k * m).sum(-1, keepdim=True) / (m.sum(-1, keepdim=True) + 1e-8)
+    elif name.startswith("seq_max"):
+        k = k.masked_fill(m == 0, float("-inf")).max(-1, keepdim=True).values
+        k = torch.where(k == float("-inf"), torch.zeros_like(k), k)
+    if name.endswith("k1"):
+        keep = (k >= math.log(c["rs_low"])) & (k <= math.log(c["rs_high"]))
+    else:
+        keep = k <= c["rs_threshold"]
+    return keep.expand_as(lr).float()
+
+
+PEER_CASES = [  # (our config, the peer's family, its aggregation, dual clip c)
+    (dict(), "vanilla", "token-mean", None),
+    (dict(aggregation="seq_mean_token_mean"), "vanilla", "seq-mean-token-mean", None),
+    (dict(aggregation="seq_mean_token_sum"), "vanilla", "seq-mean-token-sum", None),
+    (dict(ratio_clip_c=3.0), "vanilla", "token-mean", 3.0),
+    (dict(clip="gspo", aggregation="seq_mean_token_mean"), "gspo", "seq-mean-token-mean", None),
+    (dict(clip="cispo"), "cispo", "token-mean", None),
+    (dict(clip="sapo", aggregation="seq_mean_token_mean"), "sapo", "seq-mean-token-mean", None),
+]
+PEER_THRESHOLDS = {"token": 0.045, "seq_sum": 0.3, "seq_mean": 0.045, "seq_max": 0.15}
+
+
+def test_losses_and_corrections_match_the_peers_code():
+    """Every shared name against the peer's code (above), values and gradients: the PPO clip and verl's dual clip,
+    gspo, cispo, sapo and the aggregations (verl), the k3 KL penalty (verl's low_var_kl, = NeMo-RL's value: the
+    log-ratio clamped to +-20, the k3 to <= 10), and every correction in decoupled mode (verl / NeMo-RL / TRL
+    weights). eps_low != eps_high, an A == 0 row, an empty row, ratios > 3 at A < 0 tokens, k3 > 10 tokens."""
+    lp, old, _, adv, mask = _edge_batch(beta_scale=0.3)
+    far = lp.clone()
+    far[:, 2] = old[:, 2] + 1.3  # ratio 3.7: dual clip territory
+    ref = lp + 0.3 * torch.randn(lp.shape, generator=torch.Generator().manual_seed(1))
+    ref[:, 5] = lp[:, 5] + 3.0  # k3 = e^3 - 4 > 10
+    m, a, lo, hi = mask.float(), adv[:, None].expand_as(lp), 0.1, 0.3
+    cases = [(far, dict(cfg, reference_policy_kl_penalty=beta), fam, mode, c, None, beta)
+             for cfg, fam, mode, c in PEER_CASES for beta in (0.0, 0.1)]
+    for name in ALL_CORRECTIONS:
+        level = next((k for k in PEER_THRESHOLDS if name.startswith(k)), "token")
+        knobs = dict(CORR, rs_threshold=PEER_THRESHOLDS[level], rs_low=0.8, rs_high=1.25)
+        w = _peer_correction(name, lp - old, m, knobs)
+        acts = ((w == 0) | (w == knobs["tis_cap"])) & mask  # truncated or dropped somewhere, kept somewhere
+        assert acts.any() and ((w > 0) & mask).any(), name
+        cases.append((lp, dict(correction=name, **knobs), "vanilla", "token-mean", None, w, 0.0))
+    for lp, cfg, family, mode, c, w, beta in cases:
+        ours_lp, ref_lp = lp.clone().requires_grad_(True), lp.clone().requires_grad_(True)
+        loss, _ = policy_loss(ours_lp, old, adv, mask, LossConfig(ratio_clip_min=lo, ratio_clip_max=hi, **cfg),
+                              ref_log_probs=ref)
+        base = old if w is None else ref_lp.detach()  # decoupled: the PPO ratio against the proximal policy
+        expected = _verl_policy_loss(family, ref_lp, base, a, m, mode, lo, hi, c, w)
+        if beta:
+            low_var_kl = torch.clamp(torch.exp((ref - ref_lp).clamp(-20, 20)) - (ref - ref_lp).clamp(-20, 20) - 1,
+                                     min=-10, max=10)
+            expected = expected + beta * _verl_agg_loss(low_var_kl, m, mode)
+        torch.testing.assert_close(loss, expected, atol=1e-6, rtol=1e-5, msg=str(cfg))
+        loss.backward()
+        expected.backward()
+        torch.testing.assert_close(ours_lp.grad, ref_lp.grad, atol=1e-7, rtol=1e-5, msg=str(cfg))
+
+
 # ---- data parallel + micro-batches == one process ---------------------------------------------------
 
 CONFIGS = [LossConfig(), LossConfig(ratio="shadow", aggregation="seq_mean_token_mean"),

@@ -99,8 +99,8 @@ class LossConfig:
     """k2 / k3 rejection keeps statistics <= rs_threshold (verl's K3-RS preset: 0.01)."""
 
     reference_policy_kl_penalty: float = 0.0
-    """Coefficient of the k3 KL(current || reference) penalty; needs reference log-probs
-    when > 0 (NeMo-RL's key name)."""
+    """Coefficient of the k3 KL(current || reference) penalty, min(exp(ref - cur) - (ref - cur) - 1, 10) per
+    token (verl's ``low_var_kl``; NeMo-RL's key name and k3 value); needs reference log-probs when > 0."""
 
     check_finite: bool = True
     """Raise ``ValueError`` when log-probs at valid tokens are NaN/inf (costs one host sync)."""

@@ -157,6 +157,19 @@ def k3(log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
     return torch.exp(diff) - diff - 1.0
 
 
+KL_PENALTY_MAX = 10.0
+"""The per-token k3 of the reference KL penalty is clamped to <= 10, as verl's ``low_var_kl`` / ``k3`` and NeMo-RL's
+``kl_output_clamp_value`` (default 10) do: a token far from the reference (ref - cur > ~2.5 nats) adds 10 and no
+gradient, instead of up to e^20."""
+
+
+def kl_ref_k3(log_probs: torch.Tensor, ref_log_probs: torch.Tensor) -> torch.Tensor:
+    """The reference KL penalty per token (``loss_fn.reference_policy_kl_penalty``, ``policy/kl_ref``): k3 of
+    KL(current || reference), exp(ref - cur) - (ref - cur) - 1, log-ratio clamped to +-20 and k3 to
+    <= ``KL_PENALTY_MAX`` (verl's ``low_var_kl``; NeMo-RL's k3 value)."""
+    return k3(log_probs, ref_log_probs).clamp(max=KL_PENALTY_MAX)
+
+
 def kl_rollout_k3(current: torch.Tensor, rollout: torch.Tensor) -> torch.Tensor:
     """KL(rollout || current) per token with r = pi_current / pi_rollout: (r - 1) - log r.
 

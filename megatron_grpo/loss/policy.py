@@ -87,7 +87,7 @@ def policy_loss_stats(
         metrics.correction_stats(stats, weights, raw, mask)
     metrics.compat_stats(stats, log_probs, old_log_probs, mask, weights)
     if ref_log_probs is not None:
-        kl_ref = metrics.k3(log_probs, ref_log_probs)
+        kl_ref = metrics.kl_ref_k3(log_probs, ref_log_probs)
         stats.add_sum("kl_ref", masked_sum(kl_ref.detach(), mask))
         if config.reference_policy_kl_penalty > 0:
             per_token = per_token + config.reference_policy_kl_penalty * kl_ref
