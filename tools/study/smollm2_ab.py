@@ -322,8 +322,8 @@ def dose_lines(runs: List[Run], study: Study) -> List[str]:
     table.append(["write-up (Qwen3-0.6B)", "1"] + [WRITEUP_DOSE.get(key, "") for key, _ in DOSE])
     return md_table(["arm", "seed"] + [name for _, name in DOSE], table) + [""] + notes + [
         "Mean abs beta by rarity of the rollout log-prob lp (common lp > -5, medium -20 < lp <= -5, rare lp <= -20): "
-        "the mean of steps 1-3, leaving out a step whose bucket held no token (the metric logs 0 for an empty "
-        "bucket; read as empty where the step's overall mean abs beta is > 0); 'no tokens': no step had one. The "
+        "the mean of steps 1-3, leaving out a step whose bucket held no token (the metric logs null for an empty "
+        "bucket; before 2026-12-07 it logged 0, read as empty where the step's overall mean abs beta is > 0); 'no tokens': no step had one. The "
         "write-up's row is from MECHANISM.md (its 13.5% vs 1.0% zeroed at step 3, fp32 trainer vs bf16 autocast)."]
 
 

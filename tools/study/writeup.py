@@ -193,7 +193,7 @@ def verdicts(data: Dict[str, List[Dict]], lr: float) -> List[str]:
              f"{fmt_ci(get('B', 'zero_grad_1_5'))}.",
              f"- **beta by token rarity** (run B, mean abs beta by rollout log-prob): common (> -5) "
              f"{fmt_ci(get('B', 'beta_common'))}, medium (-20, -5] {fmt_ci(get('B', 'beta_medium'))}, rare (<= -20) "
-             f"{fmt_ci(get('B', 'beta_rare'))} (an empty bucket logs 0; the write-up: ~0.02, ~0.1 near -10, "
+             f"{fmt_ci(get('B', 'beta_rare'))} (an empty bucket: null, before 2026-12-07 0; the write-up: ~0.02, ~0.1 near -10, "
              "0.5-1.0 below -20)."]
     for v in ("F", "G", "noclip", "detach", "detach-center", "fp16"):
         if runs(v):
