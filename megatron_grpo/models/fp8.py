@@ -129,7 +129,7 @@ def _is_linear(module) -> bool:
 
 def fp8_linears(gpt_model, recipe: Fp8Recipe) -> Iterator[Tuple[str, torch.nn.Module]]:
     """(name, module) of this rank's FP8 linears: every Megatron column/row-parallel linear inside a decoder
-    layer (attention projections, MLP, routed and shared experts), except those of the bf16 first / last
+    layer (attention projections, MLA's too, MLP, routed and shared experts), except those of the bf16 first / last
     layers. The router, norms, embedding and output layer are not linears of this kind or not in a layer."""
     layers = gpt_model.decoder.layers
     keep = quantized_layer_ids(gpt_model.config.num_layers, recipe)

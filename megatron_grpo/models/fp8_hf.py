@@ -23,12 +23,14 @@ from typing import Dict, List, Sequence, Set
 
 from megatron_grpo.models.fp8 import FP8_DTYPE, Fp8Recipe, fp8_linears, quantized_layer_ids
 from megatron_grpo.models.qwen3 import ModelShape
+from megatron_grpo.models.weight_maps import RankPlacement, param_maps
 
 SCALE_SUFFIX = "_scale_inv"
 """``q_proj.weight`` -> ``q_proj.weight_scale_inv`` (vLLM's ``Fp8LinearMethod`` parameter name)."""
-FP8_LINEAR_MODULES = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-                      "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
-"""A dense decoder layer's linears, by HF module name (a MoE layer has ``mlp.experts`` in place of the MLP)."""
+MEGATRON_LINEARS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "linear_q_proj", "linear_q_down_proj",
+                    "linear_q_up_proj", "linear_kv_down_proj", "linear_kv_up_proj")
+"""The Megatron linears of a decoder layer (``models.fp8.fp8_linears`` patches them all): attention's fused QKV or
+MLA's projections, the output projection, the MLP's, shared experts' and routed experts' fc1 / fc2."""
 
 
 def scale_name(hf_weight_name: str) -> str:
@@ -37,8 +39,10 @@ def scale_name(hf_weight_name: str) -> str:
 
 def block_shape(shape: ModelShape, block: Sequence[int]) -> ModelShape:
     """``shape`` in units of weight blocks along the output dimension: ``weights.unshard`` of scale grids
-    (QKV's per-group split works in head_dim / bn rows per head; fc1's gate / up halves and row-parallel
-    column splits need no shape)."""
+    (QKV's per-group split works in head_dim / bn rows per head; fc1's gate / up halves, column and row
+    splits need no shape, so neither does multi-latent attention, which has no fused QKV)."""
+    if shape.is_mla:
+        return shape
     assert shape.head_dim % block[0] == 0, f"block rows {block[0]} do not divide head_dim {shape.head_dim}"
     return dataclasses.replace(shape, head_dim=shape.head_dim // block[0])
 
@@ -50,19 +54,36 @@ def fp8_param_names(gpt_model, recipe: Fp8Recipe) -> Set[str]:
     return {ids[id(module.weight)] for _, module in fp8_linears(gpt_model, recipe)}
 
 
+def layer_linear_modules(shape: ModelShape, layer: int) -> List[str]:
+    """The HF modules of decoder layer ``layer``'s linears (``model.layers.<i>.self_attn.q_proj``, ...; MLA's
+    ``q_a_proj`` / ``q_b_proj`` or ``q_proj``, ``kv_a_proj_with_mqa``, ``kv_b_proj``, ``o_proj``; shared experts'
+    projections), read off the weight maps, with a MoE layer's routed experts as one ``<moe>.experts`` module:
+    vLLM's fused experts, which its skip check matches by that name (``mlp.experts``, Mixtral's
+    ``block_sparse_moe.experts``)."""
+    place = RankPlacement(layer_offset=layer, num_local_layers=1, pre_process=False, post_process=False)
+    out: List[str] = []
+    for pm in param_maps(shape, place):
+        module, _, leaf = pm.mcore_name.rpartition(".")
+        if leaf != "weight" or module.rpartition(".")[2] not in MEGATRON_LINEARS:
+            continue
+        names = [f"model.layers.{layer}.{shape.moe_prefix}.experts"] if pm.expert else [
+            n[:-len(".weight")] for n in pm.hf_names]
+        out += [n for n in names if n not in out]
+    return out
+
+
 def modules_to_not_convert(recipe: Fp8Recipe, shape: ModelShape) -> List[str]:
     """The HF modules an FP8 generator must keep in bf16 (vLLM matches them exactly): every MoE router
-    (``mlp.gate``: vLLM would quantize it, the trainer's is bf16) and the linears of the bf16 first / last layers
-    (their experts as one ``mlp.experts`` module). Embeddings and the output layer are not quantized anyway."""
+    (``mlp.gate`` / ``block_sparse_moe.gate``: Qwen3-MoE's would be quantized, the trainer's is bf16) and the
+    linears of the bf16 first / last layers (``layer_linear_modules``). Embeddings and the output layer are not
+    quantized anyway."""
     fp8_layers = set(quantized_layer_ids(shape.num_layers, recipe))
     out = []
     for i in range(shape.num_layers):
-        layer = f"model.layers.{i}."
         if i not in fp8_layers:
-            out += [layer + m for m in FP8_LINEAR_MODULES[:4]]
-            out += [layer + "mlp.experts"] if shape.is_moe else [layer + m for m in FP8_LINEAR_MODULES[4:]]
-        if shape.is_moe:
-            out.append(layer + "mlp.gate")
+            out += layer_linear_modules(shape, i)
+        if shape.is_moe_layer(i):
+            out.append(f"model.layers.{i}.{shape.moe_prefix}.gate")
     return out
 
 

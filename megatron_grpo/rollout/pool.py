@@ -26,7 +26,7 @@ import logging
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
-from typing import Callable, Iterable, List, Optional, Sequence, Set, Tuple
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 import torch
 
@@ -147,18 +147,37 @@ def check_engine_shape(g, shape, fp8_block: Optional[Sequence[int]] = None) -> N
                          "attention heads (vLLM shards heads over its TP workers)")
     if fp8_block is None:
         return
-    (bn, bk), d = fp8_block, shape.head_dim
-    sizes = {"q_proj rows": shape.num_heads * d // tp, "k_proj / v_proj rows": max(shape.num_kv_heads // tp, 1) * d,
-             "o_proj columns": shape.num_heads * d // tp}
-    if not shape.is_moe:
-        sizes.update({"gate_proj / up_proj rows": shape.ffn_hidden_size // tp,
-                      "down_proj columns": shape.ffn_hidden_size // tp})
-    for what, size in sizes.items():
+    bn, bk = fp8_block
+    for what, size in _fp8_engine_partitions(shape, tp).items():
         block = bk if what.endswith("columns") else bn
         if size % block:
             raise ValueError(f"policy.precision.fp8.weight_block_size={list(fp8_block)}: vLLM's FP8 engine at "
                              f"generation.tensor_parallel_size={tp} holds {size} {what} per worker, not a multiple "
                              f"of {block} (vLLM refuses the engine); change the block or the engine's TP")
+
+
+def _fp8_engine_partitions(shape, tp: int) -> Dict[str, int]:
+    """What one of vLLM's TP workers holds of each FP8 linear that its block FP8 checks (rows of column-parallel
+    and fused linears, columns of row-parallel ones): q / k / v (k / v replicated below one KV head per worker)
+    and o, or multi-latent attention's q_b_proj (q_proj), kv_b_proj and o_proj (its fused q_a_proj +
+    kv_a_proj_with_mqa is replicated: q_a_proj's rows, the merged part it checks); dense MLPs (DeepSeek's first
+    layers too) and shared experts. Routed experts adapt their blocks to the partition themselves."""
+    heads, d = shape.num_heads // tp, shape.head_dim
+    if shape.is_mla:
+        sizes = {("q_b_proj" if shape.q_lora_rank else "q_proj") + " rows": heads * d,
+                 "kv_b_proj rows": heads * (shape.qk_nope_head_dim + shape.v_head_dim),
+                 "o_proj columns": heads * shape.v_head_dim}
+        if shape.q_lora_rank:
+            sizes["fused_qkv_a_proj's q_a_proj rows"] = shape.q_lora_rank
+    else:
+        sizes = {"q_proj rows": heads * d, "k_proj / v_proj rows": max(shape.num_kv_heads // tp, 1) * d,
+                 "o_proj columns": heads * d}
+    mlps = {"": shape.ffn_hidden_size} if not shape.is_moe or shape.first_dense_layers else {}
+    if shape.shared_expert_ffn_hidden_size:
+        mlps["shared_experts' "] = shape.shared_expert_ffn_hidden_size
+    for where, ffn in mlps.items():
+        sizes.update({f"{where}gate_proj / up_proj rows": ffn // tp, f"{where}down_proj columns": ffn // tp})
+    return sizes
 
 
 def cpu_bindings(num_engines: int, tp: int, cpus: Sequence[int]) -> List[Optional[str]]:

@@ -12,6 +12,7 @@ import torch
 
 from megatron_grpo.config.precision import FP8
 from megatron_grpo.config.schema import Config, to_dict
+from megatron_grpo.models.fp8 import Fp8Recipe, quantized_layer_ids
 from megatron_grpo.models.fp8_hf import hf_quantization_config, vllm_env
 from megatron_grpo.models.qwen3 import load_hf_config, shape_from_hf
 from megatron_grpo.models.spec import te_usable
@@ -68,28 +69,46 @@ def check_moe_options(cfg: Config, shape, runtime: bool = False) -> None:
 FP8_KEY = "policy.precision.fp8"
 
 
-def fp8_weight_shards(shape, layout: Layout) -> List[Tuple[str, int, int, int]]:
-    """(name, rows, cols, rows of one fused part) of a decoder layer's FP8 weights as one TP / EP rank holds
-    them (Megatron's local layouts, [out, in]): the QKV rows are whole heads per query group, fc1 is
-    [gate_shard; up_shard], experts are whole per EP rank and split over expert TP. No supported model
-    (Qwen3, Qwen3-MoE, Llama) has shared experts."""
-    tp, heads = layout.tp, shape.num_heads * shape.head_dim
-    weights = [("linear_qkv", (shape.num_heads + 2 * shape.num_kv_heads) * shape.head_dim // tp, shape.hidden_size,
-                shape.head_dim),
-               ("linear_proj", shape.hidden_size, heads // tp, shape.hidden_size)]
-    if shape.is_moe:
-        ffn, where = shape.moe_ffn_hidden_size // layout.etp, "experts' "
+def fp8_weight_shards(shape, layout: Layout, recipe: Fp8Recipe) -> List[Tuple[str, int, int, int]]:
+    """(name, rows, cols, rows of one fused part) of the decoder layers' FP8 weights as one TP / EP rank holds
+    them (Megatron's local layouts, [out, in]): the QKV rows are whole heads per query group; multi-latent
+    attention's projections (HF names in brackets) are split over TP, its down projections too (the local
+    spec's column-parallel ones); fc1 is [gate_shard; up_shard] in dense layers (DeepSeek's first layers too)
+    and shared experts, split over TP; routed experts are whole per EP rank and split over expert TP. Only the
+    kinds of layer that run in FP8 under ``recipe`` count (DeepSeek's dense first layers kept bf16 do not)."""
+    tp, h = layout.tp, shape.hidden_size
+    if shape.is_mla:
+        heads, qk = shape.num_heads, shape.qk_nope_head_dim + shape.qk_rope_head_dim
+        q = ([("linear_q_down_proj (q_a_proj)", shape.q_lora_rank // tp, h),
+              ("linear_q_up_proj (q_b_proj)", heads * qk // tp, shape.q_lora_rank)] if shape.q_lora_rank
+             else [("linear_q_proj (q_proj)", heads * qk // tp, h)])
+        weights = [(name, rows, cols, rows) for name, rows, cols in q + [
+            ("linear_kv_down_proj (kv_a_proj_with_mqa)", (shape.kv_lora_rank + shape.qk_rope_head_dim) // tp, h),
+            ("linear_kv_up_proj (kv_b_proj)", heads * (shape.qk_nope_head_dim + shape.v_head_dim) // tp,
+             shape.kv_lora_rank),
+            ("linear_proj (o_proj)", h, heads * shape.v_head_dim // tp)]]
     else:
-        ffn, where = shape.ffn_hidden_size // tp, ""
-    return weights + [(f"{where}linear_fc1 (gate + up)", 2 * ffn, shape.hidden_size, ffn),
-                      (f"{where}linear_fc2", shape.hidden_size, ffn, shape.hidden_size)]
+        weights = [("linear_qkv", (shape.num_heads + 2 * shape.num_kv_heads) * shape.head_dim // tp, h, shape.head_dim),
+                   ("linear_proj", h, shape.num_heads * shape.head_dim // tp, h)]
+    layers = quantized_layer_ids(shape.num_layers, recipe)
+    mlps = []
+    if any(not shape.is_moe_layer(i) for i in layers):
+        mlps.append(("dense layers' " if shape.is_moe else "", shape.ffn_hidden_size // tp))
+    if any(shape.is_moe_layer(i) for i in layers):
+        mlps.append(("experts' ", shape.moe_ffn_hidden_size // layout.etp))
+        if shape.shared_expert_ffn_hidden_size:
+            mlps.append(("shared experts' ", shape.shared_expert_ffn_hidden_size // tp))
+    for where, ffn in mlps:
+        weights += [(f"{where}linear_fc1 (gate + up)", 2 * ffn, h, ffn), (f"{where}linear_fc2", h, ffn, h)]
+    return weights
 
 
 def check_fp8(cfg: Config, shape, layout: Layout) -> None:
     """With an fp8 generator or shadow: every quantized weight's TP / EP shard is tiled by whole blocks that
     never straddle a fused part (QKV heads, fc1's gate / up), block rows divide the head dim (each QKV block
-    is one head's rows of q, k or v, as the generator's HF weights are blocked), the activation group divides
-    every GEMM's input shard, and the bf16 first / last layers exist. A ``ValueError`` names the key."""
+    is one head's rows of q, k or v, as the generator's HF weights are blocked; multi-latent attention has no
+    fused QKV), the activation group divides every GEMM's input shard, and the bf16 first / last layers exist.
+    A ``ValueError`` names the key and the weight."""
     p = cfg.policy.precision
     if not p.uses_fp8:
         return
@@ -98,11 +117,11 @@ def check_fp8(cfg: Config, shape, layout: Layout) -> None:
         raise ValueError(f"{FP8_KEY}.num_first_layers_in_bf16={f8.num_first_layers_in_bf16} + num_last_layers_in_bf16"
                          f"={f8.num_last_layers_in_bf16} exceed the model's {shape.num_layers} decoder layers")
     bn, bk = f8.weight_block_size
-    if shape.head_dim % bn:
+    if shape.head_dim % bn and not shape.is_mla:
         raise ValueError(f"{FP8_KEY}.weight_block_size={f8.weight_block_size}: block rows {bn} do not divide the "
                          f"attention head_dim {shape.head_dim} (linear_qkv's blocks must stay within one head)")
     where = f"at tensor_model_parallel_size={layout.tp}, expert_tensor_parallel_size={layout.etp}"
-    shards = fp8_weight_shards(shape, layout)
+    shards = fp8_weight_shards(shape, layout, f8.recipe())
     for name, rows, cols, part in shards:
         if part % bn or rows % bn or cols % bk:
             raise ValueError(f"{FP8_KEY}.weight_block_size={f8.weight_block_size} does not tile {name}: its "

@@ -211,37 +211,47 @@ def generator_weight_bytes(cfg: Config, shape: ModelShape) -> float:
     """One engine's weights on one of its devices: the model in the generation dtype over its
     ``generation.tensor_parallel_size`` devices (colocated engine e sits on ranks e*TP ...; more
     engines than devices would share them: the dry run says so). fp8: the quantized linears at 1 B per
-    value + a 4 B scale per block, everything else (embeddings, norms, routers, bf16 layers) in bf16."""
+    value + a 4 B scale per block, DeepSeek's expert bias in fp32, everything else (embeddings, norms, routers,
+    bf16 layers) in bf16."""
     p, total = cfg.policy.precision, count_params(shape).num_local
     if p.generation_dtype != FP8:
         return total * DTYPES[p.generation_dtype].itemsize / cfg.generation.tensor_parallel_size
     recipe = p.fp8.recipe()
-    quantized = linear_params(shape) * len(quantized_layer_ids(shape.num_layers, recipe))
+    quantized = sum(fp8_layer_elements(shape, i) for i in quantized_layer_ids(shape.num_layers, recipe))
     per_value = 1 + 4 / (recipe.weight_block_size[0] * recipe.weight_block_size[1])
-    return ((total - quantized) * 2 + quantized * per_value) / cfg.generation.tensor_parallel_size
+    fp8_bytes = quantized * per_value + fp8_pushed_fp32(cfg, shape)
+    return ((total - quantized) * 2 + fp8_bytes) / cfg.generation.tensor_parallel_size
 
 
-def linear_params(shape: ModelShape) -> int:
-    """Elements of one decoder layer's linears, what FP8 quantizes: attention projections and the MLP or
-    every expert (not the router)."""
-    h, d = shape.hidden_size, shape.head_dim
-    mlp = shape.moe_ffn_hidden_size * shape.num_experts if shape.is_moe else shape.ffn_hidden_size
-    return h * (2 * shape.num_heads + 2 * shape.num_kv_heads) * d + 3 * h * mlp
+def fp8_pushed_fp32(cfg: Config, shape: ModelShape) -> int:
+    """Bytes of DeepSeek's expert bias (a buffer: no parameter count has it), which an FP8 push sends in fp32."""
+    fp8 = shape.router_expert_bias and cfg.policy.precision.generation_dtype == FP8
+    return 4 * shape.num_moe_layers * shape.num_experts if fp8 else 0
+
+
+def fp8_layer_elements(shape: ModelShape, layer: int, tp: int = 1, experts_over: int = 1) -> float:
+    """Elements of decoder layer ``layer``'s linears, what FP8 quantizes, on one rank: attention's projections
+    (or multi-latent attention's), a dense MLP (DeepSeek's first layers too) and shared experts over ``tp``;
+    routed experts over ``experts_over`` (EP x ETP); not the router."""
+    h = shape.hidden_size
+    attention = (shape.attention_params()[0] if shape.is_mla
+                 else h * (2 * shape.num_heads + 2 * shape.num_kv_heads) * shape.head_dim)
+    if not shape.is_moe_layer(layer):
+        return (attention + 3 * h * shape.ffn_hidden_size) / tp
+    routed = 3 * h * shape.moe_ffn_hidden_size * shape.num_experts
+    return (attention + 3 * h * shape.shared_expert_ffn_hidden_size) / tp + routed / experts_over
 
 
 def fp8_local_elements(cfg: Config, shape: ModelShape) -> float:
-    """Elements of this rank's FP8 linears (the quantized layers' attention projections over TP, their MLP over
-    TP or experts over EP x ETP, spread over the pipeline stages); 0 without fp8."""
+    """Elements of this rank's FP8 linears (the quantized layers' attention projections, dense MLPs and shared
+    experts over TP, routed experts over EP x ETP, spread over the pipeline stages); 0 without fp8."""
     p, m = cfg.policy.precision, cfg.policy.megatron_cfg
     if not p.uses_fp8:
         return 0.0
-    h, d = shape.hidden_size, shape.head_dim
-    attention = h * (2 * shape.num_heads + 2 * shape.num_kv_heads) * d / m.tensor_model_parallel_size
-    mlp = (3 * h * shape.moe_ffn_hidden_size * shape.num_experts / (m.expert_model_parallel_size
-                                                                    * m.expert_tensor_parallel_size)
-           if shape.is_moe else 3 * h * shape.ffn_hidden_size / m.tensor_model_parallel_size)
-    layers = len(quantized_layer_ids(shape.num_layers, p.fp8.recipe())) / m.pipeline_model_parallel_size
-    return (attention + mlp) * layers
+    layers = quantized_layer_ids(shape.num_layers, p.fp8.recipe())
+    experts_over = m.expert_model_parallel_size * m.expert_tensor_parallel_size
+    return sum(fp8_layer_elements(shape, i, m.tensor_model_parallel_size, experts_over)
+               for i in layers) / m.pipeline_model_parallel_size
 
 
 def fp8_value_bytes(cfg: Config) -> float:
@@ -251,9 +261,10 @@ def fp8_value_bytes(cfg: Config) -> float:
 
 
 def fp8_largest_linear(cfg: Config, shape: ModelShape) -> float:
-    """Elements of this rank's largest FP8 linear (an upper bound: QKV, a dense, shared or expert fc1)."""
+    """Elements of this rank's largest FP8 linear (upper bound: QKV or MLA's largest, a dense, shared or expert fc1)."""
     m, h = cfg.policy.megatron_cfg, shape.hidden_size
-    qkv = h * (shape.num_heads + 2 * shape.num_kv_heads) * shape.head_dim / m.tensor_model_parallel_size
+    qkv = (shape.largest_attention_tensor() if shape.is_mla else h * (shape.num_heads + 2 * shape.num_kv_heads)
+           * shape.head_dim) / m.tensor_model_parallel_size
     return max(qkv, 2 * h * max(shape.ffn_hidden_size, shape.shared_expert_ffn_hidden_size)
                / m.tensor_model_parallel_size, 2 * h * shape.moe_ffn_hidden_size / m.expert_tensor_parallel_size)
 
@@ -367,7 +378,7 @@ def _delta_term(cfg: Config, shape: ModelShape, count: ParamCount, num_layers: i
     whole = gathered_checksummed_elements(shape, tp=m.tensor_model_parallel_size, ep=m.expert_model_parallel_size,
                                           etp=m.expert_tensor_parallel_size, num_layers=num_layers)
     fp8 = fp8_local_elements(cfg, shape) if cfg.policy.precision.generation_dtype == FP8 else 0.0
-    kept = size * (count.num_local - fp8 + whole) + fp8_value_bytes(cfg) * fp8  # fp8: 1 B + scales per FP8 value
+    kept = size * (count.num_local - fp8 + whole) + fp8_value_bytes(cfg) * fp8 + fp8_pushed_fp32(cfg, shape)
     return Term("delta push copy", kept + 2 * largest_hf_tensor(shape),
                 ("generation.delta_push",) + LAYOUT_KEYS + EXPERT_KEYS,
                 f"stage leaders: their shards as last sent ({count.num_local / 1e9:.3f}B elements) + {whole / 1e6:.3g}M elements "

@@ -43,7 +43,8 @@ Transform = Callable[[str, torch.Tensor], Optional[Tuple[str, torch.Tensor]]]
 NOT_PUSHED = ("mlp.router.expert_bias",)
 """Megatron tensors a push leaves out: DeepSeek's ``e_score_correction_bias``, frozen in training (bias
 update rate 0, ``models/qwen3.py``) and fp32 in vLLM, so the generator keeps its checkpoint copy, which a
-push in the generator's dtype would round."""
+push in the generator's dtype would round. An FP8 push sends it in its own fp32 (exact): FP8 engines start
+with placeholder weights (``load_format: dummy``), so they have no checkpoint copy."""
 
 
 @dataclass
@@ -162,13 +163,14 @@ def _stage_items(model, shape, dtype: torch.dtype, delta: Optional[D.DeltaState]
         place, params = RankPlacement.current(chunk), model_tensors(chunk)
         quantized = fp8_param_names(gpt, fp8) if fp8 is not None else set()
         for pm in _export_order(shape, place):
-            if pm.mcore_name.endswith(NOT_PUSHED):
+            own_dtype = pm.mcore_name.endswith(NOT_PUSHED)
+            if own_dtype and fp8 is None:
                 continue
             if (pm.expert and not experts) or (not pm.expert and not dense) or (pm.kind == "rep" and me != leader):
                 continue
             param = params[pm.mcore_name].detach()
-            for piece, local, owned, piece_shape, view in _pieces(pm, param, dtype, fp8 if pm.mcore_name in quantized
-                                                                  else None, shape):
+            for piece, local, owned, piece_shape, view in _pieces(pm, param, param.dtype if own_dtype else dtype,
+                                                                  fp8 if pm.mcore_name in quantized else None, shape):
                 key = f"{index}:{piece.mcore_name}" if index else piece.mcore_name  # chunks repeat local names
                 mask = None if delta is None else delta.changed(key, local, owned=owned)
                 if piece.expert:
