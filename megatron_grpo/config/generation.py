@@ -80,8 +80,9 @@ class GenerationConfig:
     host copy of the last full tensors, patches it and reloads full tensors, so the engine's weights are
     bit-identical to a dense push's. Full pushes: the first, after an engine restart, every
     ``delta_full_every`` pushes, and per tensor whenever its patch would be at least the dense bytes.
-    Transports ``file`` and ``gloo`` (``auto`` resolved to nccl / ipc pushes full weights, with a warning);
-    pipeline-parallel layouts push full weights. Pays off at small learning rates (bf16 at lr 1e-6: ~0.1x the bytes)."""
+    Transports ``file`` and ``gloo`` (``auto`` resolved to nccl / ipc pushes full weights, with a warning); at
+    PP > 1 each stage's leader sends its own stage's patches, and where the stages go through rank 0 (nccl / ipc,
+    ``file`` across nodes) the push is full. Pays off at small learning rates (bf16 at lr 1e-6: ~0.1x the bytes)."""
     delta_full_every: int = 20
     """With ``delta_push``: a full push every this many pushes (0 = only the first and after a restart)."""
     batch_invariant: bool = False

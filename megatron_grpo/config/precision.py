@@ -41,8 +41,9 @@ class Fp8Config:
 
     weight_block_size: List[int] = field(default_factory=lambda: [128, 128])
     """[rows, cols] of one weight block with its own fp32 scale (e4m3fn values, scale = block amax / 448). Must
-    tile every quantized weight's TP / EP shard, and its rows must divide the attention head dim (the fused
-    QKV weight's blocks then stay inside one head, so they map to the generator's q / k / v blocks)."""
+    tile every quantized weight's TP / EP shard, and, where there is a fused QKV, its rows must divide the
+    attention head dim (the QKV weight's blocks then stay inside one head, so they map to the generator's
+    q / k / v blocks; multi-latent attention has no fused QKV and no such rule)."""
     activation_block_size: int = 128
     """Input features per activation group: one scale per token and group, computed on the fly (dynamic).
     vLLM's block FP8 uses weight_block_size[1] here."""
