@@ -434,7 +434,7 @@ def page(out: str, steps: int, command: str, study: Study = STUDIES["smollm2-ab"
              f"out). Zero-grad tokens averages every step.")
     repeats = ["## Repeats", "", *repeat_lines(study, runs), ""] if study.repeats else []
     return "\n".join([
-        f"# {study.title} (generated)", "", intro, "", headline(study, runs, verdicts), "", *study.caveats, "",
+        f"# {study.title} (generated)", "", intro, "", headline(study, runs, verdicts), "", "\n\n".join(study.caveats), "",
         "## Runs", "", *md_table(["arm", "seed", "status", "detail", "CPUs (process.json)"],
                                  [[r.arm, str(r.seed), r.status, r.note, _cpus(r.folder)] for r in runs]), "",
         "## The dose (steps 1-3, every run with them)", "", *dose_lines(runs, study), "", *repeats,
