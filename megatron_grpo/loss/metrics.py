@@ -192,6 +192,11 @@ def _safe_div(num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
     return torch.where(den > 0, num / den.clamp(min=1e-300), torch.zeros_like(num))
 
 
+def _nan_div(num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
+    """``num / den``, NaN (null in metrics.jsonl) where ``den`` is 0: a ratio that is undefined, not 0."""
+    return torch.where(den > 0, num / den.clamp(min=1e-300), torch.full_like(num, float("nan")))
+
+
 def finalize(sums: Dict[str, torch.Tensor], maxes: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
     """Reduced sums/maxima -> contract metric names (0-dim fp32 tensors, no host sync)."""
     n = sums["n_tokens"]
@@ -240,18 +245,14 @@ def _precision_metrics(sums, maxes, n) -> Dict[str, torch.Tensor]:
         "precision/beta_adv_corr": _safe_div(cov, (beta_var * adv_var).sqrt()),
         "precision/alpha_abs_mean": alpha_abs_mean,
         # NaN (written as null) when beta is exactly 0, e.g. the shadow forward is skipped
-        "precision/snr": torch.where(beta_abs_mean > 0, alpha_abs_mean / beta_abs_mean.clamp(min=1e-300),
-                                     torch.full_like(beta_abs_mean, float("nan"))),
+        "precision/snr": _nan_div(alpha_abs_mean, beta_abs_mean),
     }
     for name in ("common", "medium", "rare"):  # NaN (null) for a bucket without tokens: not a gap of 0
-        num, den = sums[f"beta_abs_{name}"], sums[f"n_{name}"]
-        out[f"precision/beta_abs_mean_{name}"] = torch.where(den > 0, num / den.clamp(min=1e-300),
-                                                             torch.full_like(num, float("nan")))
+        out[f"precision/beta_abs_mean_{name}"] = _nan_div(sums[f"beta_abs_{name}"], sums[f"n_{name}"])
     if "gap_in_ratio_abs" in sums:  # ratio: gap_scaled (the research knob): the gap the clip sees, k * beta
         gap = _safe_div(sums["gap_in_ratio_abs"], n)
         out["precision/gap_in_ratio_abs_mean"] = gap
-        out["precision/snr_in_ratio"] = torch.where(gap > 0, alpha_abs_mean / gap.clamp(min=1e-300),
-                                                    torch.full_like(gap, float("nan")))
+        out["precision/snr_in_ratio"] = _nan_div(alpha_abs_mean, gap)
     return out
 
 
