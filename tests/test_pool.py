@@ -278,7 +278,9 @@ def test_an_async_run_resumed_from_its_checkpoint_trains_on_the_generations_that
     trained (weights version 1) and whose prompts the saved data position has passed. A run resumed from it
     (a fresh engine, pushed the resumed weights, version 2) trains steps 3-4 on exactly the uninterrupted
     run's rollouts: the same prompts, completions and versions. Without them (a checkpoint from before they
-    were saved) step 3 trains on the next step's prompts, generated on-policy."""
+    were saved) step 3 trains on the next step's prompts, generated on-policy. Resumed with another
+    temperature, step 3 is regenerated with it (before, it trained on the saved rollouts of temperature 1.0
+    while its log-probs used 0.7: wrong old log-probs, no error)."""
     import io
 
     straight = _loop_over_fake_engines(tmp_path / "straight", 4, max_restarts=0, staleness=1)
@@ -301,17 +303,25 @@ def test_an_async_run_resumed_from_its_checkpoint_trains_on_the_generations_that
         assert first.seen == straight.seen[:2] and len(saved[-1]) == 1 and saved[-1][0]["step"] == 2
         return first, saved[-1]
 
-    def resumed(first, in_flight):
+    def resumed(first, in_flight, temperature=1.0):
         again = _loop_over_fake_engines(tmp_path / "again", 4, max_restarts=0, staleness=1)
+        again.cfg.generation.temperature = temperature
         again.step, again.version, again.ctx.sampler.drawn = first.step, first.version, first.ctx.sampler.drawn
         again.push_weights(probe=False)  # a resume pushes the checkpoint's weights to the new engine
         again.restore_in_flight(in_flight)
+        planned = dict(again._planned)
         assert again.train() == 0
-        return again.seen
+        return again.seen, planned
 
-    assert resumed(*first_two_steps()) == straight.seen[2:]
-    old = resumed(first_two_steps()[0], None)
+    assert resumed(*first_two_steps())[0] == straight.seen[2:]
+    old = resumed(first_two_steps()[0], None)[0]
     assert old != straight.seen[2:] and {v for _, _, v in old[0]} == {2}
+    # resumed with another temperature: the trainer's log-probs use it, so the saved rollouts (sampled at 1.0)
+    # are regenerated with it (same prompts and seeds, the resumed weights' version), not trained on
+    hotter, planned = resumed(*first_two_steps(), temperature=0.7)
+    assert [(p, ids) for p, ids, _ in hotter[0]] == [(p, ids) for p, ids, _ in straight.seen[2]]
+    assert {v for _, _, v in hotter[0]} == {2} and hotter[1] == straight.seen[3]
+    assert [sampling.temperature for _, sampling in planned.values()] == [0.7]
 
 
 def test_a_checkpoint_after_a_generator_restart_keeps_the_planned_prompts_of_the_cleared_generation(

@@ -39,17 +39,38 @@ def collect(pending: Deque, planned: Dict[int, tuple], engine, step: int) -> Tup
     return done, saved
 
 
-def restore(saved: Optional[List[dict]], max_staleness: int) -> Optional[Tuple[Deque, Dict[int, tuple]]]:
+DISTRIBUTION_FIELDS = ("temperature", "top_p", "top_k")
+"""The ``Sampling`` fields that define the distribution the generator's log-probs (the old log-probs) are of."""
+
+
+def restore(saved: Optional[List[dict]], max_staleness: int,
+            current: Optional[Sampling] = None) -> Optional[Tuple[Deque, Dict[int, tuple]]]:
     """The queue and planned (prompts, sampling) of a checkpoint's generations in flight; None for a checkpoint
-    written before they were saved (an async run's next ``max_staleness`` steps are then generated anew)."""
+    written before they were saved (an async run's next ``max_staleness`` steps are then generated anew).
+    ``current``: the resumed recipe's sampling; where a saved step's temperature / top-p / top-k differ from it,
+    its rollouts are dropped and it is regenerated (same prompts and seed) with the current ones: the trainer
+    computes its log-probs at the current temperature, so rollouts sampled at another would give wrong ratios."""
     if saved is None:
         if max_staleness:
             logger.warning("this checkpoint holds no generations in flight (written by an older version): the next "
                            "%d step(s) train on rollouts of the resumed weights", max_staleness)
         return None
+    planned = {g["step"]: (g["prompts"], _resampled(Sampling(**g["sampling"]), current)) for g in saved}
     pending = collections.deque()
     for g in saved:  # the collected generations lead; the steps after the first without rollouts regenerate
-        if g["rollouts"] is None:
+        if g["rollouts"] is None or planned[g["step"]][1] != Sampling(**g["sampling"]):
             break
         pending.append(Collected(Rollouts.from_state(g["rollouts"])))
-    return pending, {g["step"]: (g["prompts"], Sampling(**g["sampling"])) for g in saved}
+    return pending, planned
+
+
+def _resampled(sampling: Sampling, current: Optional[Sampling]) -> Sampling:
+    """``sampling`` with ``current``'s distribution fields (a warning when they differ)."""
+    if current is None:
+        return sampling
+    changed = {k: getattr(current, k) for k in DISTRIBUTION_FIELDS if getattr(sampling, k) != getattr(current, k)}
+    if not changed:
+        return sampling
+    logger.warning("the checkpoint's generations in flight were sampled with %s; the recipe now sets %s: they are "
+                   "regenerated with it", {k: getattr(sampling, k) for k in changed}, changed)
+    return dataclasses.replace(sampling, **changed)

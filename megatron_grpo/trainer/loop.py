@@ -304,7 +304,9 @@ class GRPOTrainer:
 
     def restore_in_flight(self, saved: Optional[list]) -> None:
         """Requeues a checkpoint's generations in flight (``trainer/in_flight.py``)."""
-        restored = in_flight.restore(saved, self.cfg.generation.max_staleness)
+        g = self.cfg.generation
+        restored = in_flight.restore(saved, g.max_staleness, Sampling(temperature=g.temperature, top_p=g.top_p,
+                                                                      top_k=g.top_k))
         if restored is not None:
             self._pending, self._planned = restored
 
