@@ -337,7 +337,19 @@ def _rank(model_dir, layout, modes, routes):
             own = st.score_layout([len(s) for s in _sequences()], _packed())[0]
             assert torch.arange(len(LENGTHS))[own].tolist() == rows.tolist(), name
         out[name] = dict(_step(st, rows, routes), rows=rows)
+        if dp > 1 and name == "packed" and st.routing is None:
+            out["probe"] = _megatron_engine_scores(model_dir, st)
     return out
+
+
+def _megatron_engine_scores(model_dir, st):
+    """The megatron generator scoring in the step's layout over DP (``score_layout``), as the parity probe
+    asks it: 3 sequences, which DP = 2 does not divide (a step's rows always are)."""
+    from megatron_grpo.rollout.engines.megatron_engine import MegatronEngine
+
+    engine = MegatronEngine(model_dir, torch.float32, model=st.model, score_layout=st.score_layout,
+                            score_group=st.dp_group)
+    return engine.score(_sequences()[:3], [PROMPT] * 3)
 
 
 @pytest.mark.parametrize("model,layout,modes", [
@@ -369,3 +381,8 @@ def test_multi_rank_packed_equals_single_process(model, layout, modes, request, 
             _assert_moe_modes(got)
         for name in () if model == "tiny_moe" else set(modes) - {"padded"}:
             _assert_same(got[name], got["padded"])
+        if "probe" in got:  # every sequence scored (before: the third got None), the single-process numbers
+            packed = _packed()
+            expected = [row[m].tolist() for row, m in zip(ref["lp"][:3], packed.mask[:3])]
+            assert [len(row) for row in got["probe"]] == [len(row) for row in expected]
+            assert max(abs(a - b) for r, e in zip(got["probe"], expected) for a, b in zip(r, e)) <= 1e-5

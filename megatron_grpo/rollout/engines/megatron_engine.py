@@ -240,10 +240,12 @@ class MegatronEngine(RolloutEngine):
 
     def _score_rows(self, seqs: List[List[int]], prompt_lens: List[int], temperature: float) -> List[List[float]]:
         """Log-probs of ``seqs[i][prompt_lens[i]:]``: this DP rank's rows of the whole batch, packed at
-        the whole batch's width (as the trainer packs a step), by the trainer's forward; gathered."""
+        the whole batch's width (as the trainer packs a step), by the trainer's forward; gathered. In the step's
+        layout (``score_layout``) only when the DP size divides the rows, as it does a step's: its token-balanced
+        ranks take ``len // dp`` rows each, so the rest (a parity probe's 3 sequences at DP = 2) would get none."""
         if not seqs:
             return []
-        if self.score_layout is not None:
+        if self.score_layout is not None and len(seqs) % comm.group_size(self.score_group) == 0:
             return self._score_as_the_step(seqs, prompt_lens, temperature)
         part = pack(seqs, prompt_lens, self.pad_id).rows(self._shard(len(seqs)))
         scores = []
