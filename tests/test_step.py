@@ -228,7 +228,7 @@ class _FakeEngine:
 
     def score(self, sequences, prompt_lens):
         d = self.diffs.pop(0)
-        return [[-1.0 - d[i] for i in range(3)] for _ in sequences]
+        return [[-1.0 - x for x in d] for _ in sequences]
 
 
 def test_parity_probe_fails_on_growth_over_its_baseline_and_on_the_max():
@@ -250,6 +250,10 @@ def test_parity_probe_fails_on_growth_over_its_baseline_and_on_the_max():
     with pytest.raises(ParityError) as failed:
         check_parity(engine, probe, ours, ["w"], 0.025, 4, max_tolerance=0.5, baseline=base)
     assert "Only the max" not in str(failed.value)
+    # an engine that returns fewer log-probs than scored tokens fails, instead of comparing the overlap
+    engine.diffs = [[0.0, 0.0]]
+    with pytest.raises(ParityError, match=r"\(2 log-probs for sequence 0\), the trainer 1 \(3\)"):
+        check_parity(engine, probe, ours, ["w"], 0.025, 5, max_tolerance=0.5)
 
 
 def _probe_on_tp_ranks_with_a_stale_engine():

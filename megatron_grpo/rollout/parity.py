@@ -83,7 +83,14 @@ class ProbeBatch:
 
 
 def compare(engine_lp: Sequence[Sequence[float]], trainer_lp: Sequence[Sequence[float]]) -> Dict[str, float]:
-    """Mean and max |diff| over all scored tokens."""
+    """Mean and max |diff| over all scored tokens; ``ParityError`` when the generator did not return one
+    log-prob per scored token (``zip`` would compare the overlap only, and pass on what it never saw)."""
+    got, want = [len(row) for row in engine_lp], [len(row) for row in trainer_lp]
+    if got != want:
+        bad = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+        raise ParityError(f"the generator scored {len(got)} probe sequences ({got[bad] if bad < len(got) else 'none'} "
+                          f"log-probs for sequence {bad}), the trainer {len(want)} ("
+                          f"{want[bad] if bad < len(want) else 'none'}): one log-prob per scored token expected")
     diffs = torch.tensor([abs(a - b) for ea, eb in zip(engine_lp, trainer_lp) for a, b in zip(ea, eb)],
                          dtype=torch.float64)
     return {"sync/logprob_abs_diff_mean": diffs.mean().item(), "sync/logprob_abs_diff_max": diffs.max().item()}
