@@ -56,7 +56,7 @@ def test_bad_inputs_are_value_errors():
         token_log_probs(logits, labels, chunk_size=0)
 
 
-def _tp_worker(dtype, chunk_size):
+def _tp_worker(dtype, chunk_size, temperature):
     import torch.distributed as dist
 
     from megatron_grpo.parallel import state
@@ -66,26 +66,32 @@ def _tp_worker(dtype, chunk_size):
     logits, labels = _data(dtype, shape=(4, 9), vocab=64, seed=3)
     labels[0, :4] = torch.tensor([0, 31, 32, 63])  # both shards' edges
     local = logits.chunk(world, dim=-1)[rank].clone().requires_grad_(True)
-    lp = token_log_probs(local, labels, tp_group=dist.group.WORLD, chunk_size=chunk_size)
+    lp, entropy = token_log_probs(local, labels, tp_group=dist.group.WORLD, chunk_size=chunk_size,
+                                  temperature=temperature, return_entropy=True)
     weights = torch.randn(labels.shape, generator=torch.Generator().manual_seed(1))
     (lp * weights).sum().backward()
-    return lp.detach(), local.grad.float()
+    return lp.detach(), local.grad.float(), entropy
 
 
-@pytest.mark.parametrize("dtype, chunk_size", [(torch.float32, 5), (torch.bfloat16, None), (torch.float16, 7)])
-def test_tensor_parallel_matches_full_vocab(dtype, chunk_size):
-    results = run_distributed(_tp_worker, 2, dtype, chunk_size)
+@pytest.mark.parametrize("dtype, chunk_size, temperature", [(torch.float32, 5, 1.0), (torch.bfloat16, None, 0.7),
+                                                            (torch.float16, 7, 1.3)])
+def test_tensor_parallel_matches_full_vocab(dtype, chunk_size, temperature):
+    """Each rank's vocabulary shard against log_softmax(fp32 logits / T) of the whole vocabulary: log-probs,
+    entropy and the gradient, at T != 1 too."""
+    results = run_distributed(_tp_worker, 2, dtype, chunk_size, temperature)
     logits, labels = _data(dtype, shape=(4, 9), vocab=64, seed=3)
     labels[0, :4] = torch.tensor([0, 31, 32, 63])
-    full = logits.clone().requires_grad_(True)
-    ref = _reference(full, labels)
+    full = logits.float().clone().requires_grad_(True)
+    full_lp = torch.log_softmax(full / temperature, -1)
+    ref = full_lp.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
     weights = torch.randn(labels.shape, generator=torch.Generator().manual_seed(1))
     (ref * weights).sum().backward()
-    grad = torch.cat([g for _, g in results], dim=-1)
-    for lp, _ in results:
+    grad = torch.cat([g for _, g, _ in results], dim=-1)
+    for lp, _, entropy in results:
         torch.testing.assert_close(lp, ref.detach(), atol=1e-5, rtol=0)
+        torch.testing.assert_close(entropy, -(full_lp.exp() * full_lp).sum(-1).detach(), atol=1e-5, rtol=0)
     tol = 1e-5 if dtype == torch.float32 else 1e-2
-    torch.testing.assert_close(grad, full.grad.float(), atol=tol, rtol=0)
+    torch.testing.assert_close(grad, full.grad, atol=tol, rtol=0)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
