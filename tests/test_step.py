@@ -177,6 +177,23 @@ def test_batch_checks_run_on_the_whole_batch(tiny_dense):
             build_step_batch(rollouts([7], logprobs), adv, 0, 2, 0, step=3)
 
 
+@pytest.mark.parametrize("balance_tokens", [False, True])
+def test_step_batch_counts_are_the_whole_batchs_on_every_dp_rank(balance_tokens):
+    """The loss's normalisers (token_mean: valid tokens; seq_mean_*: sequences with a valid token) are the
+    whole batch's on every DP rank, contiguous or token-balanced rows, so the ranks' summed gradients are the
+    global batch's; the ranks' rows partition the batch. Completion lengths 1, 2, 0, 3: 6 tokens, 3 sequences."""
+    from megatron_grpo.rollout import Rollout, Rollouts
+    from megatron_grpo.trainer.step import build_step_batch
+
+    completions = [[7], [7, 8], [], [7, 8, 9]]
+    rollouts = Rollouts([Rollout(i // 2, [5, 6], c, [-1.0] * len(c), "stop", 0) for i, c in enumerate(completions)])
+    ranks = [build_step_batch(rollouts, torch.zeros(4, dtype=torch.float64), r, 2, 0, balance_tokens=balance_tokens)
+             for r in range(2)]
+    for batch in ranks:
+        assert (batch.num_global_tokens.item(), batch.num_global_seqs.item()) == (6, 3)
+    assert sum(int(b.packed.mask.sum()) for b in ranks) == 6 and sum(b.packed.mask.shape[0] for b in ranks) == 4
+
+
 @pytest.mark.parametrize("params_dtype", ["float32", "float16"])
 def test_fp16_overflow_backs_off_without_counting_as_a_nonfinite_skip(params_dtype, tiny_dense, megatron_single):
     """Megatron's dynamic loss scaler (fp16 compute over fp32 params, and fp16 params with fp32
