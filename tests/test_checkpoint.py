@@ -274,15 +274,17 @@ def _trainer(st, model_dir, root, step, async_save=False):
 
 
 def _train_step(st, rows, step):
-    """Step ``step`` (1-based) on this rank's rows: its metrics, then the no-grad log-probs of
-    every row after the update (they show the optimizer state's effect: moments and step)."""
+    """Step ``step`` (1-based) on this rank's rows: its metrics, then the no-grad fp32 log-probs of
+    every row after the update (they show the optimizer state's effect: moments and step). fp32, not the
+    shadow's bf16: across layouts the weights agree to reduction order only, and one bf16 rounding of a weight
+    flipped by that moves a log-prob by ~1e-3 (an AVX2 CPU, where bf16 GEMMs take another kernel, showed it)."""
     import torch
 
     from megatron_grpo.models.forward import pack
     from tests.test_routing import PROMPT, ROWS, SEQ, _metrics, _sequences, _step_batch
 
     metrics = _metrics(st, _step_batch(torch.full((ROWS, SEQ), -7.0), _advantages(step), rows=rows))
-    return metrics, st.lowp_log_probs(pack(_sequences(), [PROMPT] * ROWS, 0))
+    return metrics, st.lowp_log_probs(pack(_sequences(), [PROMPT] * ROWS, 0), torch.float32)
 
 
 def _disk_full_on_rank(rank):
