@@ -1,5 +1,6 @@
 """Sequence parallelism (on by default at TP > 1): TP=2 logits, log-probs, reduced gradients (norm
-weights included), a MoE training step with R3 replay and the routing record equal one process's;
+weights included), a MoE training step with R3 replay, the routing record and the MoE aux / z losses on
+a width SP pads equal one process's;
 MoE with TP > 1 and ``sequence_parallel: false`` is refused naming the key."""
 
 import pytest
@@ -21,15 +22,16 @@ def _groups(st):
     return st
 
 
-def _reduced_grads(st):
-    """One forward-backward of the whole batch, reduced by ``finalize_model_grads``: the full
-    gradient under HF names (TP shards gathered like weights) and Megatron's global grad norm."""
+def _reduced_grads(st, batch=None):
+    """One forward-backward of ``batch`` (default: the whole batch), reduced by ``finalize_model_grads``:
+    the full gradient under HF names (TP shards gathered like weights) and Megatron's global grad norm."""
     from megatron_grpo.models.qwen3 import load_hf_config, shape_from_hf
     from megatron_grpo.models.weights import export_hf_tensors
 
     st.current_step, st.nonfinite = 0, []
     st.optimizer.zero_grad()
-    st.forward_backward(_step_batch(torch.full((ROWS, SEQ), -7.0), torch.linspace(-1.0, 1.0, ROWS)), None, None)
+    batch = batch or _step_batch(torch.full((ROWS, SEQ), -7.0), torch.linspace(-1.0, 1.0, ROWS))
+    st.forward_backward(batch, None, None)
     st.optimizer.megatron.prepare_grads()
     norm = float(st.optimizer.megatron.get_grad_norm())
     saved = [p.detach().clone() for p in st.optimizer.params]
@@ -43,6 +45,23 @@ def _reduced_grads(st):
             p.copy_(w)
     st.optimizer.zero_grad()
     return grads, norm
+
+
+def _odd_batch(sp):
+    """The sequences cut to ``ODD`` tokens, a batch ``ODD`` wide: under SP ``forward_logits`` pads each
+    row by repeating its last id, and the MoE routers route that position too; without SP the same
+    column is appended here, outside every loss token, so that both runs route the same tokens."""
+    from megatron_grpo.models.forward import PackedBatch, pack
+    from megatron_grpo.trainer.step import StepBatch
+
+    p = pack([s[:ODD] for s in _sequences()], [PROMPT] * ROWS, 0, pad_to_multiple=1)
+    assert p.input_ids.shape == (ROWS, ODD)
+    if not sp:
+        pad = torch.zeros_like(p.mask[:, :1])
+        p = PackedBatch(torch.cat([p.input_ids, p.input_ids[:, -1:]], 1), torch.cat([p.labels, pad.long()], 1),
+                        torch.cat([p.mask, pad], 1))
+    old = torch.full(p.labels.shape, -7.0)
+    return StepBatch(p, old, torch.linspace(-1.0, 1.0, ROWS), p.mask.sum().double(), p.mask.any(-1).sum().double())
 
 
 def _logits(st):
@@ -74,6 +93,7 @@ def _results(dense, moe, old, adv, routes):
         out["moe_logits"] = _logits(st)
     out["odd_routes"] = st.routing.take(ODD, "natural")  # a length padded for the forward
     out["moe_grads"] = _reduced_grads(st)
+    out["odd_moe_grads"] = _reduced_grads(st, _odd_batch(out["moe_sp"]))  # aux + z losses over padded rows
     out["moe_step"] = _metrics(st, _step_batch(old, adv, routes=routes))
     out["moe_after"] = st.lowp_log_probs(packed)
     return out
@@ -125,6 +145,9 @@ def test_tp2_sequence_parallel_matches_one_process(tiny_dense, tiny_moe, megatro
         assert any("layernorm" in n for n in ref["grads"][0]) and "model.norm.weight" in ref["grads"][0]
         _close_grads(got["grads"], ref["grads"], 1e-5)
         _close_grads(got["moe_grads"], ref["moe_grads"], 1e-5)  # router, experts, aux + z losses
+        # an odd width: the aux / z losses count the position SP pads each row with (exact reference:
+        # one process routes the same 8 x 24 tokens, the padding column appended by hand)
+        _close_grads(got["odd_moe_grads"], ref["odd_moe_grads"], 1e-5)
         # the record covers every position, in order: each TP rank holds the whole [B, S, L, k]
         assert torch.equal(got["routes"], ref["routes"]) and torch.equal(got["odd_routes"], ref["odd_routes"])
         step, ref_step = got["moe_step"], ref["moe_step"]

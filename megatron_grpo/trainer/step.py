@@ -395,26 +395,30 @@ class TrainStep:
         """MoE aux/z losses as a mean over the step's routed tokens, counted over DP (a collective,
         when a coefficient is on); returns whether the routers get the plan's ``padding_mask``.
         Without the aux loss they do, and the routed tokens are each sequence's needed tokens, the
-        same in every plan (packed == padded). With it (padded plans only: ``PolicyConfig``) they do
-        not, and every computed token counts: Megatron's masked aux loss weights each sequence-parallel
-        shard by its own valid-token count, which would break TP invariance. Under
-        ``calculate_per_token_loss`` Megatron multiplies the losses by a token count (a TP rank's share
-        of the tokens under SP; on 0.19 times the TP x CP size: ``compat.megatron``) and leaves the
-        division by the global count to ``finalize_model_grads``; our losses are already global
-        means, so the coefficients carry that division instead."""
+        same in every plan (packed == padded; the positions ``forward_logits`` pads a row with under
+        SP are padding). With it (padded plans only: ``PolicyConfig``) they do not, and every token the
+        routers see counts: rows x the width each micro-batch is forwarded at, rounded up to
+        ``sequence_multiple`` (those padding positions are routed too); Megatron's masked aux loss
+        weights each sequence-parallel shard by its own valid-token count, which would break TP
+        invariance. Under ``calculate_per_token_loss`` Megatron multiplies the losses by a token count
+        (a TP rank's share of the tokens under SP; on 0.19 times the TP x CP size: ``compat.megatron``)
+        and leaves the division by the global count to ``finalize_model_grads``; our losses are
+        already global means, so the coefficients carry that division instead."""
         config = unwrap(model_chunks(self.model)[0]).config
         m = self.cfg.policy.megatron_cfg
         mask_padding = not m.moe_aux_loss_coeff
         if not getattr(config, "num_moe_experts", None) or not (m.moe_aux_loss_coeff or m.moe_z_loss_coeff):
             return mask_padding
+        k = sequence_multiple(config)
         if mask_padding:
             routed = torch.stack([(~mb.padding_mask).sum() for mb in plan]).sum().double()
-        else:
-            routed = torch.tensor(float(sum(mb.padding_mask.numel() for mb in plan)), dtype=torch.float64)
+        else:  # rows x the width forwarded: forward_logits pads it to the sequence multiple
+            routed = torch.tensor(float(sum(r * (w + -w % k) for r, w in (mb.padding_mask.shape for mb in plan))),
+                                  dtype=torch.float64)
         routed = routed.to(comm.collective_device(routed.device, self.dp_group))
         num_routed_tokens = max(float(comm.all_reduce_sum(routed, self.dp_group).item()), 1.0)  # one host sync
         tp_cp_size = ps.get_tensor_model_parallel_world_size() * ps.get_context_parallel_world_size()
-        num_routed_tokens = moe_aux_loss_token_multiplier(num_routed_tokens / sequence_multiple(config), tp_cp_size)
+        num_routed_tokens = moe_aux_loss_token_multiplier(num_routed_tokens / k, tp_cp_size)
         config.moe_aux_loss_coeff = m.moe_aux_loss_coeff / num_routed_tokens
         config.moe_z_loss_coeff = m.moe_z_loss_coeff / num_routed_tokens if m.moe_z_loss_coeff else None
         return mask_padding
