@@ -109,7 +109,8 @@ def test_family_logits_match_transformers_round_trip_and_generate(arch, family_r
 def test_family_checkpoint_exports_hf_bitwise(arch, family_results, tmp_path):
     """A training checkpoint written at TP=2 (EP=2 for the MoE ones) -> ``export-hf``: the checkpoint's HF
     tensors, bitwise (MLA's unrenamed norms, the expert bias buffer, the first dense layer among MoE
-    layers), its config, and transformers' logits."""
+    layers), its config, and transformers' logits; with ``--dtype bfloat16`` every tensor rounded but the
+    expert bias, fp32 (the old code rounded it too)."""
     from safetensors.torch import load_file
 
     from megatron_grpo.checkpoint.export import export_hf
@@ -126,6 +127,13 @@ def test_family_checkpoint_exports_hf_bitwise(arch, family_results, tmp_path):
         assert {k: v for k, v in json.load(f).items() if k != "torch_dtype"} == {
             k: v for k, v in json.load(g).items() if k != "torch_dtype"}
     assert (_hf_logits(str(tmp_path / "hf"), _ids()) - _hf_logits(dirs[arch], _ids())).abs().max().item() == 0
+    report = export_hf(ranks[0][arch, "checkpoint"], str(tmp_path / "bf16"), dtype="bfloat16")
+    half = {}
+    for name in report.files:
+        half.update(load_file(str(tmp_path / "bf16" / name)))
+    for name, tensor in original.items():  # DeepSeek's expert bias stays fp32 (transformers keeps it so)
+        want = tensor if name.endswith("e_score_correction_bias") else tensor.to(torch.bfloat16)
+        assert half[name].dtype == want.dtype and torch.equal(half[name], want), (name, half[name].dtype)
 
 
 def test_the_tiny_models_exercise_what_each_family_adds(tiny_family):
