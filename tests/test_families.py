@@ -109,7 +109,8 @@ def test_family_logits_match_transformers_round_trip_and_generate(arch, family_r
 def test_family_checkpoint_exports_hf_bitwise(arch, family_results, tmp_path):
     """A training checkpoint written at TP=2 (EP=2 for the MoE ones) -> ``export-hf``: the checkpoint's HF
     tensors, bitwise (MLA's unrenamed norms, the expert bias buffer, the first dense layer among MoE
-    layers), its config, and transformers' logits."""
+    layers), its config, and transformers' logits; with ``--dtype bfloat16`` every tensor rounded but the
+    expert bias, fp32 (the old code rounded it too)."""
     from safetensors.torch import load_file
 
     from megatron_grpo.checkpoint.export import export_hf
@@ -126,6 +127,13 @@ def test_family_checkpoint_exports_hf_bitwise(arch, family_results, tmp_path):
         assert {k: v for k, v in json.load(f).items() if k != "torch_dtype"} == {
             k: v for k, v in json.load(g).items() if k != "torch_dtype"}
     assert (_hf_logits(str(tmp_path / "hf"), _ids()) - _hf_logits(dirs[arch], _ids())).abs().max().item() == 0
+    report = export_hf(ranks[0][arch, "checkpoint"], str(tmp_path / "bf16"), dtype="bfloat16")
+    half = {}
+    for name in report.files:
+        half.update(load_file(str(tmp_path / "bf16" / name)))
+    for name, tensor in original.items():  # DeepSeek's expert bias stays fp32 (transformers keeps it so)
+        want = tensor if name.endswith("e_score_correction_bias") else tensor.to(torch.bfloat16)
+        assert half[name].dtype == want.dtype and torch.equal(half[name], want), (name, half[name].dtype)
 
 
 def test_the_tiny_models_exercise_what_each_family_adds(tiny_family):
@@ -213,6 +221,48 @@ def test_config_variants_match_transformers(arch, name, overrides, config, tiny_
     if config:  # the changed config changes the model (the parity above is not vacuous)
         base = _hf_logits(tiny_family(arch), _ids())
         assert (base - _hf_logits(path, _ids())).abs().max().item() > 1e-3
+
+
+class _Capture:
+    """An engine stand-in keeping every pushed tensor."""
+
+    def __init__(self):
+        self.weights = {}
+
+    def update_weights(self, buckets, version):
+        for bucket in buckets:
+            self.weights.update({n: t.clone() for n, t in bucket})
+
+
+def test_half_params_keep_deepseeks_expert_bias_fp32_bit_for_bit(tiny_family, megatron_single):
+    """bf16 params (``Float16Module`` casts every buffer): the routers' expert bias is still the checkpoint's
+    fp32 ``e_score_correction_bias`` bit for bit, which transformers keeps in fp32 (``_keep_in_fp32_modules_strict``)
+    and vLLM's gate holds in fp32 (a bf16 push leaves its checkpoint copy); an FP8 push, whose engines start
+    without weights, sends it so. The old code loaded it into the wrapper's bf16 buffer: rounded (4e-4 here), so
+    the trainer's top-k choice differed from the generator's near ties."""
+    from safetensors.torch import load_file
+    from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf_deepseek
+
+    from megatron_grpo.models import build_from_hf, unwrap
+    from megatron_grpo.models.fp8 import FP8_DTYPE, Fp8Recipe
+    from megatron_grpo.rollout.transfer.weight_sync import push_weights
+
+    assert "e_score_correction_bias" in hf_deepseek.DeepseekV3PreTrainedModel._keep_in_fp32_modules_strict
+    model_dir = tiny_family("deepseek-v3")
+    original = {n: t for n, t in load_file(os.path.join(model_dir, "model.safetensors")).items()
+                if n.endswith("e_score_correction_bias")}
+    assert original and all(t.dtype == torch.float32 and not torch.equal(t, t.bfloat16().float())
+                            for t in original.values())
+    model, shape = build_from_hf(model_dir, params_dtype=torch.bfloat16)
+    biases = {f"model.layers.{n.split('.')[2]}.mlp.gate.e_score_correction_bias": b
+              for n, b in unwrap(model).named_buffers() if n.endswith("router.expert_bias")}
+    assert biases.keys() == original.keys()
+    for name, bias in biases.items():
+        assert bias.dtype == torch.float32 and torch.equal(bias, original[name]), (name, bias.dtype)
+    engine = _Capture()
+    push_weights(model, shape, engine, 1, dtype=FP8_DTYPE, fp8=Fp8Recipe((32, 32), 32))
+    for name, want in original.items():
+        assert engine.weights[name].dtype == torch.float32 and torch.equal(engine.weights[name], want), name
 
 
 REFUSED = [

@@ -35,6 +35,7 @@ from megatron_grpo.checkpoint.folders import (
     read_trainer_state,
 )
 from megatron_grpo.models.qwen3 import load_hf_config, shape_from_hf
+from megatron_grpo.models.weight_maps import MAPPED_BUFFERS
 from megatron_grpo.models.weights import RankPlacement, param_maps, unshard
 
 logger = logging.getLogger(__name__)
@@ -258,7 +259,10 @@ def _export_unit(reader: DistCheckpointReader, maps, shape, dtype, meter: _Meter
 
 def _convert_param(reader: DistCheckpointReader, pm, shape, dtype, meter: _Meter, used: set):
     """One Megatron parameter's HF tensors in ``dtype`` (views of the loaded tensor where no copy
-    is needed) and the bytes read for it."""
+    is needed) and the bytes read for it. DeepSeek's expert bias (``MAPPED_BUFFERS``) stays fp32 whatever
+    ``dtype``: transformers keeps ``e_score_correction_bias`` fp32 (``_keep_in_fp32_modules_strict``), as vLLM
+    and the trainer do; a bf16 copy would load rounded and route otherwise than the trained model."""
+    dtype = torch.float32 if pm.mcore_name.endswith(MAPPED_BUFFERS) else dtype
     key, index = checkpoint_key(pm.mcore_name, reader.tensors)
     main = MAIN_PARAM_PREFIX + key
     source = main if main in reader.tensors else key

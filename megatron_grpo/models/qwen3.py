@@ -137,7 +137,9 @@ def _mla_options(shape: ModelShape) -> Dict[str, Any]:
 def build_gpt_model(shape: ModelShape, config, *, backend: str = "auto", vp_stage: Optional[int] = None):
     """Builds this rank's ``GPTModel`` stage (with interleaved virtual stages: its model chunk ``vp_stage``,
     which holds the embedding / the output layer only as the first / last virtual stage of the first / last
-    pipeline stage); wraps it in ``Float16Module`` for half params."""
+    pipeline stage); wraps it in ``Float16Module`` for half params. The routers' expert bias (DeepSeek's
+    ``e_score_correction_bias``) stays fp32, as transformers and vLLM hold it and Megatron's router keeps it
+    from its first forward on: in the wrapper's half dtype the checkpoint's values would load rounded."""
     from megatron.core import parallel_state as ps
     from megatron.core.transformer.module import Float16Module
 
@@ -155,10 +157,13 @@ def build_gpt_model(shape: ModelShape, config, *, backend: str = "auto", vp_stag
     for name, param in model.named_parameters():
         if ".experts." in name:  # Megatron marks them only when EP > 1; ETP shards need it too
             param.allreduce = False  # DDP: reduce over expert-DP; optimizer and grad norm: expert params
-    for router in (m for m in model.modules() if getattr(m, "enable_expert_bias", False)):
+    routers = [m for m in model.modules() if getattr(m, "enable_expert_bias", False)]
+    for router in routers:
         mask_padding_in_expert_counts(router)
     if config.bf16 or config.fp16:
         model = Float16Module(config, model)
+    for router in routers:  # Float16Module casts every buffer: the expert bias stays fp32 (HF's, vLLM's)
+        router.expert_bias.data = router.expert_bias.data.float()
     return model
 
 
