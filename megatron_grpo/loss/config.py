@@ -75,7 +75,8 @@ class LossConfig:
     correction contributes only its mask (no second importance weight)."""
 
     tis_cap: float = 2.0
-    """C in TIS's min(r, C) (``tis`` and ``seq_mask_tis``)."""
+    """C in TIS's min(r, C) (``tis``, ``seq_tis``) and the cap above which ``mis`` / ``seq_mis`` drop a weight
+    (``seq_mask_tis`` does not use it: its band is ``seq_mask_low`` / ``seq_mask_high``)."""
 
     icepop_low: float = 0.5
     """IcePop keeps tokens with ratio >= icepop_low."""
