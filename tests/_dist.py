@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import os
+import random
 import shutil
 import socket
 import tempfile
@@ -14,7 +15,27 @@ import torch
 import torch.multiprocessing as mp
 
 
-def _free_port() -> int:
+def _ephemeral_low(default: int = 32768) -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return default
+
+
+def free_port() -> int:
+    """A free loopback port below the kernel's ephemeral range, drawn at random: a port that ``bind(0)``
+    hands out is ephemeral, and between its release and the store's bind any outgoing connection (gloo's,
+    another test's) may take it (EADDRINUSE, seen in CI with two lanes side by side)."""
+    rng, high = random.SystemRandom(), _ephemeral_low()
+    for _ in range(200):
+        port = rng.randrange(20000, max(high, 20001))
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -51,11 +72,22 @@ def file_barrier(name: str = "start", timeout: float = 600.0) -> None:
         time.sleep(0.005)
 
 
-def run_distributed(fn, world_size: int, *args, timeout: float = 600.0):
-    """``[fn(*args) on rank r for r in range(world_size)]``; raises with the failing rank's traceback."""
+def run_distributed(fn, world_size: int, *args, timeout: float = 600.0, attempts: int = 3):
+    """``[fn(*args) on rank r for r in range(world_size)]``; raises with the failing rank's traceback. A
+    rendezvous port taken by another process between its choice and the store's bind (EADDRINUSE, before
+    ``fn`` did anything) is retried on a new port."""
+    for attempt in range(attempts):
+        try:
+            return _run_once(fn, world_size, args, timeout)
+        except RuntimeError as exc:
+            if "EADDRINUSE" not in str(exc) or attempt == attempts - 1:
+                raise
+
+
+def _run_once(fn, world_size: int, args, timeout: float):
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     folder = tempfile.mkdtemp(prefix="dist-test-")
     os.environ["DIST_TEST_DIR"] = folder  # the spawned ranks inherit it (file_barrier)
     procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, queue)) for r in range(world_size)]

@@ -181,11 +181,11 @@ FP8_RECIPE = os.path.join(ROOT, "recipes", "grpo-tiny-fp8-cpu.yaml")
 
 def _train(recipe, log_dir, *overrides, nproc=1):
     """``megatron-grpo train`` (under torchrun for nproc > 1); returns the metrics rows and the summary."""
-    from tests._dist import _free_port
+    from tests._dist import free_port
 
     base = [sys.executable, "-m", "megatron_grpo"] if nproc == 1 else [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
-        str(_free_port()), "-m", "megatron_grpo"]
+        str(free_port()), "-m", "megatron_grpo"]
     cmd = base + ["train", recipe, f"logger.log_dir={log_dir}", "logger.progress_bar=false",
                   "logger.tensorboard=false", *overrides]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}

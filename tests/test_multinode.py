@@ -9,7 +9,6 @@ hostname's loopback address. Where network namespaces cannot be made (not root),
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,6 +18,7 @@ import pytest
 
 from megatron_grpo.observe.metrics_logger import read_metrics_rows
 
+from tests._dist import free_port
 from tests._netns import Host, veth_hosts
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -46,12 +46,6 @@ def _env():
     return env
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _rows(log_dir):
     """The complete rows (read while the run may still write: ``read_metrics_rows`` drops a torn last line)."""
     path = os.path.join(log_dir, "metrics.jsonl")
@@ -77,7 +71,7 @@ def launch(hosts, args, log_dir, nproc_per_node=1, timeout=600):
     rendezvous on host 0 (by hostname where hosts have one: the head ranks first, names sort so);
     returns (exit codes, each node's output, metrics rows)."""
     os.makedirs(log_dir, exist_ok=True)
-    port = "29500" if hosts[0].prefix else str(_free_port())  # a fresh namespace has every port free
+    port = "29500" if hosts[0].prefix else str(free_port())  # a fresh namespace has every port free
     procs, logs = [], []
     for i, host in enumerate(hosts):
         cmd = host.prefix + [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(len(hosts)),
@@ -97,7 +91,7 @@ def launch(hosts, args, log_dir, nproc_per_node=1, timeout=600):
 def one_host(args, log_dir, nproc=2, timeout=600):
     """The same job on one host: ``torchrun --nproc-per-node nproc`` on loopback."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
-           str(_free_port()), "-m", "megatron_grpo", "train", RECIPE, f"logger.log_dir={log_dir}"] + list(args)
+           str(free_port()), "-m", "megatron_grpo", "train", RECIPE, f"logger.log_dir={log_dir}"] + list(args)
     proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout)
     return proc.returncode, proc.stdout + proc.stderr, _rows(log_dir)
 

@@ -10,7 +10,6 @@ import json
 import os
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,6 +17,7 @@ import time
 import pytest
 
 from megatron_grpo.observe.metrics_logger import read_metrics_rows
+from tests._dist import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SBATCH = os.path.join(ROOT, "tools", "cluster", "grpo.sbatch")
@@ -65,12 +65,6 @@ def directives(path=SBATCH):
     return found
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _slurm(tmp_path, fakes, **extra):
     """The fake Slurm: a bin folder with ``fakes`` ({name: script}) first on PATH, the job's SLURM_* env."""
     bin_dir = tmp_path / "fake-bin"
@@ -82,7 +76,7 @@ def _slurm(tmp_path, fakes, **extra):
            and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
     env.update(PATH=os.pathsep.join([str(bin_dir), os.path.dirname(sys.executable), env["PATH"]]),
                SLURM_JOB_ID=JOB_ID, SLURM_JOB_NODELIST="node1", SLURM_NNODES="1", GPUS_PER_NODE="1",
-               RDZV_PORT=str(_free_port()), OMP_NUM_THREADS="1", FAKE_SLURM_LOG=str(tmp_path / "slurm.log"))
+               RDZV_PORT=str(free_port()), OMP_NUM_THREADS="1", FAKE_SLURM_LOG=str(tmp_path / "slurm.log"))
     env.update({k: v for k, v in extra.items() if v is not None})
     for k in [k for k, v in extra.items() if v is None]:  # None: unset
         env.pop(k, None)

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from tests._dist import _free_port
+from tests._dist import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPE = os.path.join(ROOT, "recipes", "grpo-tiny-eos-cpu.yaml")
@@ -26,7 +26,7 @@ def run_cli(args, log_dir, nproc=1, timeout=900):
     """Runs ``megatron-grpo train`` (under torchrun when nproc > 1); returns (returncode, output, rows)."""
     base = [sys.executable, "-m", "megatron_grpo"] if nproc == 1 else [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-        "--master-port", str(_free_port()), "-m", "megatron_grpo"]  # not torchrun's fixed 29500
+        "--master-port", str(free_port()), "-m", "megatron_grpo"]  # not torchrun's fixed 29500
     cmd = base + ["train", RECIPE, f"logger.log_dir={log_dir}", "logger.progress_bar=false",
                   "logger.tensorboard=false"] + list(args)
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
