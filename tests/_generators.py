@@ -15,6 +15,17 @@ from megatron_grpo.rollout.transfer.fanout import fan_out
 from megatron_grpo.rollout.transfer.stage_push import StagePushEngine
 
 
+class CapturingEngine:
+    """An in-process engine stand-in keeping every pushed tensor (a one-process push: no transport)."""
+
+    def __init__(self):
+        self.weights = {}
+
+    def update_weights(self, buckets, version):
+        for bucket in buckets:
+            self.weights.update({n: t.clone() for n, t in bucket})
+
+
 class FileGenerator(StagePushEngine):
     """``generation.weight_transfer=file``: reads each bucket file (its link) and unlinks it."""
 

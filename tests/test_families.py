@@ -223,17 +223,6 @@ def test_config_variants_match_transformers(arch, name, overrides, config, tiny_
         assert (base - _hf_logits(path, _ids())).abs().max().item() > 1e-3
 
 
-class _Capture:
-    """An engine stand-in keeping every pushed tensor."""
-
-    def __init__(self):
-        self.weights = {}
-
-    def update_weights(self, buckets, version):
-        for bucket in buckets:
-            self.weights.update({n: t.clone() for n, t in bucket})
-
-
 def test_half_params_keep_deepseeks_expert_bias_fp32_bit_for_bit(tiny_family, megatron_single):
     """bf16 params (``Float16Module`` casts every buffer): the routers' expert bias is still the checkpoint's
     fp32 ``e_score_correction_bias`` bit for bit, which transformers keeps in fp32 (``_keep_in_fp32_modules_strict``)
@@ -246,6 +235,7 @@ def test_half_params_keep_deepseeks_expert_bias_fp32_bit_for_bit(tiny_family, me
     from megatron_grpo.models import build_from_hf, unwrap
     from megatron_grpo.models.fp8 import FP8_DTYPE, Fp8Recipe
     from megatron_grpo.rollout.transfer.weight_sync import push_weights
+    from tests._generators import CapturingEngine
 
     assert "e_score_correction_bias" in hf_deepseek.DeepseekV3PreTrainedModel._keep_in_fp32_modules_strict
     model_dir = tiny_family("deepseek-v3")
@@ -259,7 +249,7 @@ def test_half_params_keep_deepseeks_expert_bias_fp32_bit_for_bit(tiny_family, me
     assert biases.keys() == original.keys()
     for name, bias in biases.items():
         assert bias.dtype == torch.float32 and torch.equal(bias, original[name]), (name, bias.dtype)
-    engine = _Capture()
+    engine = CapturingEngine()
     push_weights(model, shape, engine, 1, dtype=FP8_DTYPE, fp8=Fp8Recipe((32, 32), 32))
     for name, want in original.items():
         assert engine.weights[name].dtype == torch.float32 and torch.equal(engine.weights[name], want), name

@@ -77,17 +77,6 @@ def reference_push(model_dir, recipe):
     return out
 
 
-class _Capture:
-    """An engine stand-in keeping every pushed tensor."""
-
-    def __init__(self):
-        self.weights, self.num_bytes = {}, 0
-
-    def update_weights(self, buckets, version):
-        for bucket in buckets:
-            self.weights.update({n: t.clone() for n, t in bucket})
-
-
 def _push_worker(cases):
     """Each case (model dir, layout, recipe): build the model in that layout, push it in fp8, return rank 0's
     tensors and the push report (every rank pushes: the gathers are collective)."""
@@ -95,12 +84,13 @@ def _push_worker(cases):
     from megatron_grpo.models.fp8 import FP8_DTYPE, dequantize_weight, quantize_model
     from megatron_grpo.parallel import state
     from megatron_grpo.rollout.transfer.weight_sync import push_weights
+    from tests._generators import CapturingEngine
 
     out = []
     for model_dir, layout, recipe, deltas in cases:
         state.initialize_model_parallel(state.Layout(world_size=int(os.environ["WORLD_SIZE"]), **layout))
         model, shape = build_from_hf(model_dir)
-        engine = _Capture() if int(os.environ["RANK"]) == 0 else None
+        engine = CapturingEngine() if int(os.environ["RANK"]) == 0 else None
         report = push_weights(model, shape, engine, 1, dtype=FP8_DTYPE, bucket_mb=0.05, fp8=recipe)
         forward = {name: dequantize_weight(w.q, w.scale_inv) for name, w in quantize_model(unwrap(model), recipe).items()}
         deltas = _delta_pushes(model, shape, recipe) if deltas else None
